@@ -1,0 +1,15 @@
+"""perflab: the shared library of the perflab course on PyTorch performance engineering.
+
+    >>> import perflab
+    >>> device = perflab.pick_device()
+    >>> perflab.benchmark(lambda: model(batch), device=device)
+    >>> perflab.doctor()
+
+Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``.
+"""
+from perflab.bench import Comparison, Timing, benchmark, compare
+from perflab.device import count_syncs, pick_device, synchronize
+from perflab.doctor import doctor
+
+__version__ = "0.1.0"
+__all__ = ["Comparison", "Timing", "benchmark", "compare", "count_syncs", "doctor", "pick_device", "synchronize"]

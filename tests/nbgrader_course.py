@@ -1,0 +1,50 @@
+"""A throwaway nbgrader course built from this repository, for the grading tests.
+
+    course = NbgraderCourse.copy_of_repo(tmp_path)
+    course.run("generate_assignment", "lab01_timing", "--force")
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAB_NAMES = sorted(path.name for path in (REPO / "solutions").iterdir() if path.is_dir())
+
+
+class NbgraderCourse:
+    def __init__(self, root: Path):
+        self.root = root
+
+    @classmethod
+    def copy_of_repo(cls, parent: Path) -> "NbgraderCourse":
+        root = parent / "course"
+        root.mkdir()
+        shutil.copy(REPO / "nbgrader_config.py", root)
+        shutil.copytree(REPO / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        return cls(root)
+
+    def run(self, *args: str, timeout: float = 900) -> str:
+        """Run ``nbgrader ARGS`` here; raise with nbgrader's own output when it fails."""
+        bin_dir = Path(sys.executable).parent
+        # nbgrader starts `alembic` (and kernels start `python`) from PATH: use this environment's.
+        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        completed = subprocess.run(
+            [str(bin_dir / "nbgrader"), *args], cwd=self.root, env=env,
+            capture_output=True, text=True, timeout=timeout,
+        )
+        output = completed.stdout + completed.stderr
+        if completed.returncode != 0:
+            raise AssertionError(f"`nbgrader {' '.join(args)}` failed ({completed.returncode}):\n{output[-6000:]}")
+        return output
+
+    def release(self, lab: str) -> Path:
+        self.run("generate_assignment", lab, "--force")
+        return self.root / "labs" / lab
+
+    def submit(self, student: str, lab: str, files_from: Path) -> None:
+        """Hand in a copy of a lab folder as ``student``, as ``nbgrader collect`` would lay it out."""
+        shutil.copytree(files_from, self.root / "submitted" / student / lab)

@@ -1,0 +1,133 @@
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from torch.utils.benchmark import Compare
+
+from perflab.bench import Comparison, Timing, benchmark, compare, format_seconds, median_confidence_interval
+
+
+def test_timing_statistics_match_numpy():
+    times = tuple(np.random.default_rng(0).lognormal(-6, 0.3, size=37))
+    timing = Timing("x", times)
+    q25, q50, q75, q95 = np.percentile(times, [25, 50, 75, 95])
+    assert math.isclose(timing.median, q50)
+    assert math.isclose(timing.iqr, q75 - q25)
+    assert math.isclose(timing.p95, q95)
+
+
+@pytest.mark.parametrize("times", [(), (0.1, -0.1), (float("nan"),), (0.0,)])
+def test_timing_rejects_impossible_samples(times):
+    with pytest.raises(ValueError):
+        Timing("bad", times)
+
+
+def test_timing_prints_its_summary():
+    timing = Timing("matmul", (1e-3, 2e-3, 3e-3), calls_per_sample=4, device="cpu", num_threads=2)
+    text = repr(timing)
+    assert "matmul on cpu" in text and "median 2 ms" in text and "3 samples x 4 calls" in text
+    assert "<table>" in timing._repr_html_()
+
+
+def test_format_seconds_picks_a_readable_unit():
+    assert format_seconds(2.5) == "2.5 s"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(4.5e-6) == "4.5 us"
+    assert format_seconds(7e-9) == "7 ns"
+
+
+def test_benchmark_measures_a_known_duration():
+    timing = benchmark(lambda: time.sleep(0.01), repeats=5, warmup=1, min_sample_s=1e-3)
+    assert len(timing.times) == 5 and timing.calls_per_sample == 1
+    assert 0.009 < timing.median < 0.05
+
+
+def test_benchmark_warms_up_and_batches_fast_calls():
+    calls = []
+    timing = benchmark(lambda: calls.append(1), repeats=4, warmup=3, min_sample_s=1e-3)
+    assert timing.calls_per_sample > 1, "a call of microseconds is too short to time alone"
+    assert len(calls) == 3 + 1 + 4 * timing.calls_per_sample  # warmup, calibration, samples
+    assert timing.median < 1e-4
+
+
+def test_benchmark_runs_at_the_current_thread_count():
+    threads = torch.get_num_threads()
+    seen = []
+    timing = benchmark(lambda: seen.append(torch.get_num_threads()), repeats=2, warmup=0)
+    assert set(seen) == {threads} and timing.num_threads == threads
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(repeats=0), "repeats"), (dict(warmup=-1), "warmup"), (dict(min_sample_s=0), "min_sample_s"),
+])
+def test_benchmark_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        benchmark(lambda: None, **kwargs)
+
+
+def test_benchmark_rejects_something_that_is_not_a_function():
+    with pytest.raises(TypeError, match="function"):
+        benchmark(torch.ones(3))
+
+
+def test_median_interval_holds_the_median_and_needs_enough_values():
+    values = list(range(1, 21))
+    low, high = median_confidence_interval(values, 0.95)
+    assert low < 10.5 < high and (low, high) == (6, 15)
+    with pytest.raises(ValueError, match="at least 6"):
+        median_confidence_interval([1.0] * 5, 0.95)
+
+
+def test_median_interval_covers_the_true_median_about_as_often_as_promised():
+    rng = np.random.default_rng(1)
+    covered = sum(
+        low <= 0.0 <= high
+        for low, high in (median_confidence_interval(list(rng.standard_normal(15)), 0.9) for _ in range(400))
+    )
+    assert covered / 400 >= 0.87
+
+
+def test_compare_finds_a_real_speedup_and_interleaves():
+    order = []
+    comparison = compare(
+        lambda: (order.append("a"), time.sleep(0.004)), lambda: (order.append("b"), time.sleep(0.001)),
+        labels=("slow", "fast"), repeats=7, warmup=0, min_sample_s=1e-4,
+    )
+    assert 2.5 < comparison.speedup < 5
+    low, high = comparison.interval
+    assert 1 < low <= comparison.speedup <= high
+    assert comparison.verdict == "fast is faster"
+    timed = "".join(order[2:])  # after one calibration call each
+    assert "abbaab" in timed, "rounds alternate their order"
+    assert "fast vs slow" in repr(comparison)
+
+
+def test_compare_says_when_there_is_no_clear_difference():
+    work = lambda: time.sleep(0.002)
+    comparison = compare(work, work, repeats=9, warmup=0)
+    assert 0.9 < comparison.speedup < 1.1
+    assert comparison.verdict == "no clear difference"
+
+
+def test_compare_refuses_too_few_rounds_before_timing_anything():
+    calls = []
+    with pytest.raises(ValueError, match="too few"):
+        compare(lambda: calls.append(1), lambda: calls.append(1), repeats=3)
+    assert calls == []
+
+
+def test_comparison_needs_paired_samples():
+    with pytest.raises(ValueError, match="same number"):
+        Comparison(Timing("a", (1.0, 2.0)), Timing("b", (1.0,)))
+
+
+def test_timings_tabulate_with_torch_benchmark_compare():
+    timings = [Timing(label, (1e-3 * scale, 1.1e-3 * scale))
+               for label, scale in (("small", 1), ("large", 8))]
+    compare_table = Compare([t.to_measurement(table="matmul") for t in timings])
+    text = str(compare_table)
+    assert "small" in text and "large" in text and "matmul" in text
+    assert math.isclose(timings[1].to_measurement().median, timings[1].median)

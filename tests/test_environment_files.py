@@ -1,0 +1,52 @@
+"""pyproject.toml, environment.yml and binder/ must install the same packages at the same pins."""
+import re
+import tomllib
+
+import yaml
+
+from nbgrader_course import REPO
+
+
+def _normalized(requirement: str) -> str:
+    name, rest = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*(.*)", requirement).groups()
+    return re.sub(r"[-_.]+", "-", name).lower() + rest.replace(" ", "")
+
+
+def _pyproject_requirements() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    return {_normalized(r) for r in requirements}
+
+
+def _conda_pip_requirements(path) -> tuple[set[str], list]:
+    environment = yaml.safe_load(path.read_text())
+    conda_packages = [d for d in environment["dependencies"] if isinstance(d, str)]
+    pip_sections = [d["pip"] for d in environment["dependencies"] if isinstance(d, dict)]
+    assert len(pip_sections) == 1, f"{path.name}: expected one pip section"
+    requirements = {_normalized(r) for r in pip_sections[0] if not r.startswith(("-", "--"))}
+    return requirements, conda_packages
+
+
+def test_environment_yml_matches_pyproject():
+    requirements, conda_packages = _conda_pip_requirements(REPO / "environment.yml")
+    assert requirements == _pyproject_requirements()
+    assert "pip" in conda_packages and any(p.startswith("python=") for p in conda_packages)
+    assert "-e ." in yaml.safe_load((REPO / "environment.yml").read_text())["dependencies"][-1]["pip"]
+
+
+def test_binder_environment_matches_pyproject_with_cpu_torch():
+    requirements, _ = _conda_pip_requirements(REPO / "binder" / "environment.yml")
+    assert requirements == _pyproject_requirements()
+    pip_lines = yaml.safe_load((REPO / "binder" / "environment.yml").read_text())["dependencies"][-1]["pip"]
+    assert any(line.startswith("--extra-index-url") and line.rstrip("/").endswith("/whl/cpu") for line in pip_lines)
+
+
+def test_binder_post_build_installs_perflab_and_hides_instructor_pages():
+    post_build = (REPO / "binder" / "postBuild")
+    script = post_build.read_text()
+    assert post_build.stat().st_mode & 0o111, "postBuild must be executable"
+    assert "pip install --no-deps -e ." in script
+    assert "disable --level=sys_prefix @jupyter/nbgrader:formgrader" in script
+    assert "nbgrader.server_extensions.formgrader" in script

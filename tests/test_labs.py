@@ -1,0 +1,89 @@
+"""The nbgrader pipeline: labs/ is what the sources release, and every lab grades both ways."""
+from __future__ import annotations
+
+import csv
+import filecmp
+import json
+
+import nbformat
+import pytest
+from nbgrader.api import Gradebook
+
+from nbgrader_course import LAB_NAMES, REPO, NbgraderCourse
+
+REGENERATE = "nbgrader generate_assignment {lab} --force   (or: make labs)"
+
+
+def _notebook_content(path):
+    notebook = nbformat.read(path, as_version=4)
+    return [(cell.cell_type, cell.source, json.dumps(cell.metadata, sort_keys=True)) for cell in notebook.cells]
+
+
+def test_there_are_labs():
+    assert "lab01_timing" in LAB_NAMES
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_released_lab_matches_its_source(tmp_path, lab):
+    fresh = NbgraderCourse.copy_of_repo(tmp_path).release(lab)
+    committed = REPO / "labs" / lab
+    assert committed.is_dir(), f"labs/{lab} is missing: run {REGENERATE.format(lab=lab)}"
+    fresh_files = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
+    committed_files = sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
+    assert committed_files == fresh_files, f"labs/{lab} holds other files than a release: run {REGENERATE.format(lab=lab)}"
+    for relative in fresh_files:
+        if relative.suffix == ".ipynb":
+            same = _notebook_content(fresh / relative) == _notebook_content(committed / relative)
+        else:
+            same = filecmp.cmp(fresh / relative, committed / relative, shallow=False)
+        assert same, f"labs/{lab}/{relative} is stale: run {REGENERATE.format(lab=lab)}"
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_release_holds_only_notebooks_and_declared_data(lab):
+    for path in (REPO / "labs" / lab).rglob("*"):
+        if path.is_file():
+            relative = path.relative_to(REPO / "labs" / lab)
+            assert path.suffix == ".ipynb" or relative.parts[0] == "data", f"labs/{lab}/{relative} is neither a notebook nor declared data"
+
+
+def test_helper_files_beside_a_source_never_reach_the_release(tmp_path):
+    course = NbgraderCourse.copy_of_repo(tmp_path)
+    source = course.root / "solutions" / "lab01_timing"
+    (source / "reference_answers.py").write_text("ANSWER = 42\n")
+    (source / "data").mkdir()
+    (source / "data" / "measurements.csv").write_text("size,seconds\n1,0.5\n")
+    release = course.release("lab01_timing")
+    assert not (release / "reference_answers.py").exists()
+    assert (release / "data" / "measurements.csv").read_text() == "size,seconds\n1,0.5\n"
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_grading_round_trip(tmp_path, lab):
+    """Release, hand in the solution and the untouched release, autograde, feedback, export."""
+    course = NbgraderCourse.copy_of_repo(tmp_path)
+    release = course.release(lab)
+    course.submit("solved", lab, files_from=course.root / "solutions" / lab)
+    course.submit("untouched", lab, files_from=release)
+    course.run("autograde", lab, "--force")
+    course.run("generate_feedback", lab, "--force")
+    course.run("export", "--to", str(tmp_path / "grades.csv"))
+
+    with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
+        solved = gradebook.find_submission(lab, "solved")
+        untouched = gradebook.find_submission(lab, "untouched")
+        assert solved.max_code_score > 0, "the lab has no autograded points"
+        assert solved.code_score == solved.max_code_score, "the reference solution must get every autograded point"
+        assert untouched.code_score == 0, "an untouched release must get no autograded point"
+        assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
+
+    for notebook_path in (course.root / "autograded" / "solved" / lab).glob("*.ipynb"):
+        notebook = nbformat.read(notebook_path, as_version=4)
+        errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.output_type == "error"]
+        assert not errors, f"{notebook_path.name}: the autograded solution raised {[e.ename for e in errors]}"
+        feedback = course.root / "feedback" / "solved" / lab / notebook_path.with_suffix(".html").name
+        assert feedback.is_file(), f"no feedback for {notebook_path.name}"
+
+    with open(tmp_path / "grades.csv") as grades:
+        students = {row["student_id"] for row in csv.DictReader(grades) if row["assignment"] == lab}
+    assert students == {"solved", "untouched"}
