@@ -1,8 +1,9 @@
-"""The ``perflab`` command: ``python -m perflab doctor`` (also installed as ``perflab doctor``)."""
+"""The ``perflab`` command: ``python -m perflab doctor`` or ``python -m perflab bench capstone``."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -10,12 +11,30 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor_parser = commands.add_parser("doctor", help="measure what this machine can do and print a table to paste into a question")
     doctor_parser.add_argument("--device", help="device to check (default: cuda, then mps, then cpu)")
+    bench_parser = commands.add_parser("bench", help="run one of the course's benchmarks and print its figures")
+    bench_parser.add_argument("name", choices=["capstone"], help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling")
+    bench_parser.add_argument("--rounds", type=int, default=5, help="interleaved one-epoch rounds (default 5)")
+    bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
+    bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
+    # The capstone grader's isolated child process: a submission as JSON on stdin.
+    commands.add_parser("grade-capstone")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
         from perflab.doctor import doctor
 
         print(doctor(args.device))
+    elif args.command == "bench":
+        from perflab.capstone import benchmark_capstone
+
+        result = benchmark_capstone(rounds=args.rounds, device=args.device)
+        if args.json:
+            args.json.write_text(result.to_json())
+        print(result)
+    elif args.command == "grade-capstone":
+        from perflab.capstone import grade_from_stdin
+
+        grade_from_stdin()
     return 0
 
 

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.utils.benchmark import Measurement
-from torch.utils.benchmark.utils.common import TaskSpec
 
 from perflab.device import pick_device, synchronize
 
@@ -33,7 +31,8 @@ from perflab.device import pick_device, synchronize
 def format_seconds(seconds: float) -> str:
     """``0.00123`` -> ``'1.23 ms'``: a duration in the unit that reads best."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale:
+        # Compare after rounding, so 999.7 us reads "1 ms", not "1e+03 us".
+        if abs(float(f"{seconds / scale:.3g}")) >= 1:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
 
@@ -79,9 +78,13 @@ class Timing:
     def p95(self) -> float:
         return _percentile(sorted(self.times), 0.95)
 
-    def to_measurement(self, table: str = "perflab") -> Measurement:
+    def to_measurement(self, table: str = "perflab") -> "torch.utils.benchmark.Measurement":
         """This timing as a ``torch.utils.benchmark.Measurement``, which ``Compare`` tabulates:
         one table per ``table`` name, one row per timing label, one column per device."""
+        # Imported here: torch.utils.benchmark warns about CUDA_HOME on import on machines without one.
+        from torch.utils.benchmark import Measurement
+        from torch.utils.benchmark.utils.common import TaskSpec
+
         spec = TaskSpec(stmt=self.label, setup="", label=table, sub_label=self.label, description=self.device,
                         num_threads=self.num_threads)
         return Measurement(self.calls_per_sample, [t * self.calls_per_sample for t in self.times], spec)

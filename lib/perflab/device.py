@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,6 +59,21 @@ def pick_device(preferred: str | torch.device | None = None) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise RuntimeError(f"{device} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def device_name(device: str | torch.device) -> str:
+    """The GPU's marketing name, or the CPU's model name from the OS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def synchronize(device: str | torch.device | None = None) -> None:
@@ -115,6 +131,11 @@ class count_syncs:
         SyncCount(100 host-device sync points: item x100)
 
     A call made inside another counted call (``print`` calling ``.tolist()``) counts once.
+    Every tensor counts, a CPU tensor too (an optimizer's step counter read with ``.item()``),
+    because on a CPU there is no telling which tensors would live on the device. Not counted:
+    syncs hidden inside operators, such as ``t.to("cpu")``, indexing with a boolean mask, or
+    ``torch.nonzero`` called as a function; ``torch.cuda.set_sync_debug_mode("warn")`` finds
+    those on a GPU.
     """
 
     def __init__(self) -> None:

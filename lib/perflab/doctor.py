@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from perflab.bench import benchmark, format_seconds
-from perflab.device import pick_device
+from perflab.device import device_name, pick_device
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,6 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {first_line[:100]}"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _host_memory_gib() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -83,7 +72,7 @@ def machine_checks(device: torch.device) -> list[Check]:
     usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     checks = [
         Check("machine", "device", str(device)),
-        Check("machine", "CPU", f"{_cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"),
+        Check("machine", "CPU", f"{device_name('cpu')} ({torch.backends.cpu.get_cpu_capability()})"),
         Check("machine", "CPU cores usable / torch threads", f"{usable_cores} / {torch.get_num_threads()}"),
         Check("machine", "host memory", f"{memory:.1f} GiB" if memory else "unknown"),
     ]

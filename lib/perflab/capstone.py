@@ -1,0 +1,256 @@
+"""The capstone's measurements: the course's benchmark, and the grader that re-measures a submission.
+
+    >>> from perflab.capstone import benchmark_capstone, grade
+    >>> benchmark_capstone()      # baseline, reference optimized pipeline and compute ceiling, side by side
+    >>> grade(my_config)          # a learner's TrainConfig against the course's baseline, in a fresh process
+    CapstoneGrade(PASS: 3.52x median speedup (90% CI 3.41x-3.60x, 5 interleaved rounds); ...)
+
+Both time each configuration on one-epoch trials in alternating order after a warm-up epoch,
+so that whatever drifts during the run (clock boost, a busy neighbour) hits every side alike,
+and both take accuracy from full runs of the course's :class:`~perflab.train.Workload`.
+"""
+from __future__ import annotations
+
+import html
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from perflab.bench import Comparison, Timing
+from perflab.device import pick_device
+from perflab.models import ResNetConfig
+from perflab.train import NAIVE, OPTIMIZED, TrainConfig, Workload, train
+from perflab.train_result import TrainResult, environment
+
+COURSE_WORKLOAD = Workload()
+MIN_SPEEDUP = 2.0
+# Accuracy points a submission may lose against the baseline. Two runs of one configuration
+# differ by up to about one point here (thread scheduling changes float sums); a larger batch
+# that keeps its accuracy by a retuned learning rate ends within two points of the baseline.
+ACCURACY_TOLERANCE = 0.03
+TRIAL_ROUNDS = 5
+CONFIDENCE = 0.9  # what 5 rounds allow: the median's order-statistic interval covers 94%
+
+
+def ceiling_of(config: TrainConfig) -> TrainConfig:
+    """The same model and step on batches already in memory: as fast as ``config`` can get."""
+    return replace(config, name=f"{config.name} ceiling", pipeline="memory")
+
+
+def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int = TRIAL_ROUNDS,
+                       device: torch.device, log=None) -> list[list[TrainResult]]:
+    """One epoch of each run per round, the order reversed every other round, after a warm-up epoch each."""
+    trials = [(config, replace(workload, epochs=1)) for config, workload in runs]
+    for config, workload in trials:
+        train(config, workload, device=device, progress=False)  # warm-up: caches, allocator, compilation
+    results: list[list[TrainResult]] = [[] for _ in runs]
+    for round_index in range(rounds):
+        order = range(len(trials)) if round_index % 2 == 0 else reversed(range(len(trials)))
+        for side in order:
+            results[side].append(train(*trials[side], device=device, progress=False))
+        if log:
+            log(f"round {round_index + 1}/{rounds}: " + ", ".join(
+                f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)))
+    return results
+
+
+def per_sample_timing(label: str, results: list[TrainResult]) -> Timing:
+    """Seconds per training sample of each trial, as a :class:`~perflab.bench.Timing`."""
+    env = results[0].environment
+    return Timing(label=label, times=tuple(r.train_s / r.samples for r in results), device=env["device"],
+                  num_threads=env["threads"])
+
+
+def _median_samples_per_s(results: list[TrainResult]) -> float:
+    return statistics.median(r.samples_per_s for r in results)
+
+
+@dataclass(frozen=True)
+class CapstoneBenchmark:
+    """``python -m perflab bench capstone``: the course's baseline, its optimized pipeline and their ceiling."""
+
+    names: tuple[str, ...]  # baseline, optimized, ceiling
+    samples_per_s: tuple[tuple[float, ...], ...]  # per name, one per interleaved round
+    accuracies: tuple[float | None, ...]  # from a full run; None for the ceiling, which repeats a few batches
+    environment: dict
+
+    @property
+    def speedup(self) -> Comparison:
+        baseline, optimized = ([1 / s for s in side] for side in self.samples_per_s[:2])
+        return Comparison(Timing(self.names[0], tuple(baseline)), Timing(self.names[1], tuple(optimized)),
+                          confidence=CONFIDENCE)
+
+    @property
+    def ceiling_share(self) -> float:
+        """Median over rounds of optimized samples/s over ceiling samples/s in the same round."""
+        return statistics.median(o / c for o, c in zip(self.samples_per_s[1], self.samples_per_s[2]))
+
+    def _rows(self) -> list[tuple[str, str, str, str]]:
+        medians = [statistics.median(side) for side in self.samples_per_s]
+        return [
+            (name, f"{median:,.0f}", f"{median / medians[0]:.2f}x",
+             "-" if accuracy is None else f"{accuracy:.1%}")
+            for name, median, accuracy in zip(self.names, medians, self.accuracies)
+        ]
+
+    def __str__(self) -> str:
+        speedup = self.speedup
+        low, high = speedup.interval
+        lines = [f"{'configuration':<20}{'samples/s':>12}{'vs baseline':>14}{'val accuracy':>15}"]
+        lines += [f"{name:<20}{rate:>12}{ratio:>14}{accuracy:>15}" for name, rate, ratio, accuracy in self._rows()]
+        lines += [
+            f"optimized reaches {self.ceiling_share:.0%} of its compute ceiling",
+            f"{len(self.samples_per_s[0])} interleaved rounds of one epoch each on {self.environment['device_name']} "
+            f"({self.environment['device']}, {self.environment['threads']} threads), torch {self.environment['torch']}; "
+            f"speedup {CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x",
+            f"speedup {speedup.speedup:.2f}x",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CapstoneBenchmark(speedup {self.speedup.speedup:.2f}x, {self.ceiling_share:.0%} of ceiling)"
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "speedup": self.speedup.speedup, "ceiling_share": self.ceiling_share})
+
+
+def benchmark_capstone(*, rounds: int = TRIAL_ROUNDS, device: str | torch.device | None = None,
+                       log=print) -> CapstoneBenchmark:
+    """Full runs of the baseline and the reference pipeline for accuracy, then interleaved trials."""
+    device = pick_device(device)
+    configs = (NAIVE, OPTIMIZED, ceiling_of(OPTIMIZED))
+    accuracies = []
+    for config in configs[:2]:
+        result = train(config, COURSE_WORKLOAD, device=device, progress=False)
+        log(f"full run: {result!r}")
+        accuracies.append(result.val_accuracy)
+    trials = interleaved_trials([(config, COURSE_WORKLOAD) for config in configs], rounds=rounds,
+                                device=device, log=log)
+    return CapstoneBenchmark(
+        names=tuple(config.name for config in configs),
+        samples_per_s=tuple(tuple(r.samples_per_s for r in side) for side in trials),
+        accuracies=(*accuracies, None), environment=environment(device),
+    )
+
+
+@dataclass(frozen=True)
+class CapstoneGrade:
+    """What the grader measured of a submission, and whether it passes."""
+
+    passed: bool
+    reasons: tuple[str, ...]  # every check that failed, in words
+    speedup: float | None
+    interval: tuple[float, float] | None
+    baseline_samples_per_s: float | None
+    candidate_samples_per_s: float | None
+    baseline_accuracy: float | None  # None when no full run was needed to fail the submission
+    candidate_accuracy: float | None
+    config: dict
+    environment: dict
+
+    def _summary(self) -> str:
+        parts = []
+        if self.speedup is not None:
+            low, high = self.interval
+            parts.append(f"{self.speedup:.2f}x median speedup ({CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x, "
+                         f"{self.baseline_samples_per_s:,.0f} -> {self.candidate_samples_per_s:,.0f} samples/s)")
+        if self.candidate_accuracy is not None:
+            parts.append(f"accuracy {self.candidate_accuracy:.1%} vs baseline {self.baseline_accuracy:.1%}")
+        return "; ".join(parts)
+
+    def __repr__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL (" + "; ".join(self.reasons) + ")"
+        return f"CapstoneGrade({verdict}: {self._summary()})"
+
+    def _repr_html_(self) -> str:
+        colour = "green" if self.passed else "darkred"
+        reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in self.reasons)
+        return (f"<p><b style='color:{colour}'>{'PASS' if self.passed else 'FAIL'}</b>: {html.escape(self._summary())}</p>"
+                f"<ul>{reasons}</ul><p><small>re-measured on {html.escape(self.environment.get('device_name', '?'))}, "
+                f"torch {html.escape(self.environment.get('torch', '?'))}</small></p>")
+
+
+def measure_submission(config: TrainConfig, workload: Workload = COURSE_WORKLOAD, *, rounds: int = TRIAL_ROUNDS,
+                       device: str | torch.device | None = None, log=None) -> CapstoneGrade:
+    """Grade ``config`` in this process: speed first, then accuracy only if everything else passes."""
+    device = pick_device(device)
+    baseline_trials, candidate_trials = interleaved_trials([(NAIVE, COURSE_WORKLOAD), (config, workload)],
+                                                           rounds=rounds, device=device, log=log)
+    baseline, candidate = baseline_trials[0], candidate_trials[0]
+    reasons = []
+    if candidate.samples != baseline.samples:
+        reasons.append(f"it trained on {candidate.samples} samples per epoch, the baseline on {baseline.samples}")
+    if candidate.model_parameters != baseline.model_parameters:
+        reasons.append(f"its model has {candidate.model_parameters:,} parameters, the course's {baseline.model_parameters:,}")
+    comparison = Comparison(per_sample_timing("baseline", baseline_trials), per_sample_timing(config.name, candidate_trials),
+                            confidence=CONFIDENCE)
+    if comparison.speedup < MIN_SPEEDUP:
+        reasons.append(f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required")
+    accuracies = (None, None)
+    if not reasons:
+        full = [train(c, w, device=device, progress=False) for c, w in ((NAIVE, COURSE_WORKLOAD), (config, workload))]
+        accuracies = tuple(run.val_accuracy for run in full)
+        if full[1].samples != full[0].samples:
+            reasons.append(f"it trained on {full[1].samples} samples in all, the baseline on {full[0].samples}")
+        if accuracies[1] < accuracies[0] - ACCURACY_TOLERANCE:
+            reasons.append(f"its accuracy {accuracies[1]:.1%} is more than {ACCURACY_TOLERANCE:.0%} points "
+                           f"under the baseline's {accuracies[0]:.1%}")
+    return CapstoneGrade(
+        passed=not reasons, reasons=tuple(reasons), speedup=comparison.speedup, interval=comparison.interval,
+        baseline_samples_per_s=_median_samples_per_s(baseline_trials),
+        candidate_samples_per_s=_median_samples_per_s(candidate_trials),
+        baseline_accuracy=accuracies[0], candidate_accuracy=accuracies[1], config=asdict(config),
+        environment=environment(device),
+    )
+
+
+def workload_from_dict(fields: dict) -> Workload:
+    return Workload(**{**fields, "model": ResNetConfig(**fields["model"])})
+
+
+def grade(config: TrainConfig, workload: Workload = COURSE_WORKLOAD, *, timeout_s: float = 600) -> CapstoneGrade:
+    """Re-measure ``config`` against the course's baseline in a fresh, isolated Python process.
+
+    Nothing of the calling notebook reaches the measurement: not a patched clock, not a
+    monkeypatched ``perflab``, not a number typed into a cell. The child runs with ``-I``
+    (no current directory on the path, no ``PYTHON*`` variables) and receives only the
+    submission's fields as JSON; its progress lines are relayed here as they come.
+    """
+    if not isinstance(config, TrainConfig) or not isinstance(workload, Workload):
+        raise TypeError(f"grade() takes a TrainConfig and a Workload, got {type(config).__name__} and {type(workload).__name__}")
+    submission = json.dumps({"config": asdict(config), "workload": asdict(workload)})
+    child = subprocess.Popen([sys.executable, "-I", "-m", "perflab", "grade-capstone"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdin.write(submission)
+    child.stdin.close()
+    other_output = []
+    for line in child.stderr:  # progress, as the child measures
+        if line.startswith("grader: "):
+            print(line.rstrip(), flush=True)
+        else:
+            other_output.append(line)
+    try:
+        child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    output = child.stdout.read()
+    if child.returncode != 0:
+        raise RuntimeError(f"the grader's process failed (exit {child.returncode}):\n{''.join(other_output)[-3000:]}")
+    fields = json.loads(output.strip().splitlines()[-1])
+    fields["reasons"] = tuple(fields["reasons"])
+    fields["interval"] = tuple(fields["interval"]) if fields["interval"] else None
+    return CapstoneGrade(**fields)
+
+
+def grade_from_stdin() -> None:
+    """The child's side of :func:`grade`: a submission as JSON on stdin, the grade as JSON on stdout."""
+    submission = json.loads(sys.stdin.read())
+    config = TrainConfig(**submission["config"])
+    grade = measure_submission(config, workload_from_dict(submission["workload"]),
+                               log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
+    print(json.dumps(asdict(grade)))

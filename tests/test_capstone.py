@@ -1,0 +1,75 @@
+"""The capstone's grader re-measures a submission in its own process, and cannot be fooled by the notebook."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import nbformat
+import pytest
+
+import perflab.train
+from nbgrader_course import REPO
+from perflab.capstone import COURSE_WORKLOAD, CapstoneBenchmark, grade
+from perflab.models import ResNetConfig
+from perflab.train import NAIVE, OPTIMIZED
+
+ENVIRONMENT = {"device": "cpu", "device_name": "test CPU", "threads": 2, "torch": "x", "date": "d", "commit": "c", "python": "3"}
+
+
+def test_benchmark_prints_each_figure_and_ends_with_the_speedup():
+    result = CapstoneBenchmark(
+        names=("naive", "optimized", "optimized ceiling"),
+        samples_per_s=((1000.0, 1100.0, 900.0, 1000.0, 1000.0), (4000.0,) * 5, (4200.0,) * 5),
+        accuracies=(0.97, 0.96, None), environment=ENVIRONMENT,
+    )
+    text = str(result)
+    assert text.splitlines()[-1] == "speedup 4.00x"
+    assert "95% of its compute ceiling" in text and "97.0%" in text and "4,200" in text
+    assert '"speedup": 4.0' in result.to_json()
+
+
+def test_bench_command_offers_the_capstone():
+    help_text = subprocess.run([sys.executable, "-m", "perflab", "bench", "--help"], capture_output=True, text=True).stdout
+    assert "capstone" in help_text and "--json" in help_text
+
+
+def test_grader_takes_only_a_config_and_a_workload():
+    with pytest.raises(TypeError, match="TrainConfig"):
+        grade({"name": "final", "batch_size": 128})
+
+
+def test_grader_fails_a_patched_clock(monkeypatch):
+    """A clock that runs 5x slow makes the baseline look 5x faster here; the grader's process has its own."""
+    real = time.perf_counter
+    start = real()
+    slow_clock = lambda: start + (real() - start) / 5  # noqa: E731
+    monkeypatch.setattr(time, "perf_counter", slow_clock)
+    monkeypatch.setattr(perflab.train.time, "perf_counter", slow_clock)
+    claimed = perflab.train.train(NAIVE, replace(COURSE_WORKLOAD, epochs=1), progress=False)
+    assert claimed.samples_per_s > 3000, "the patched clock should fool a measurement in this process"
+
+    result = grade(replace(NAIVE, name="patched clock"))
+    assert not result.passed
+    assert result.speedup < 1.5
+    assert any("speedup" in reason for reason in result.reasons)
+
+
+def test_grader_fails_fewer_samples_and_a_smaller_model():
+    result = grade(OPTIMIZED, replace(COURSE_WORKLOAD, train_per_class=250, model=ResNetConfig(widths=(8, 16, 32))))
+    assert not result.passed
+    assert any(re.search(r"2500 samples per epoch, the baseline on 5000", reason) for reason in result.reasons)
+    assert any("parameters" in reason for reason in result.reasons)
+    assert result.candidate_accuracy is None, "a submission that fails parity is not worth full runs"
+
+
+def test_grading_cell_ignores_numbers_typed_into_the_notebook():
+    """The lab's own hidden grading cell, run on a notebook that types its speedup and keeps the baseline."""
+    notebook = nbformat.read(REPO / "solutions" / "lab09_capstone" / "lab09_capstone.ipynb", as_version=4)
+    grading_cell = next(cell.source for cell in notebook.cells if cell.metadata["nbgrader"]["grade_id"] == "test_regrade")
+    namespace = {"final_config": replace(NAIVE, name="final"), "workload": COURSE_WORKLOAD,
+                 "speedup": 3.5, "MIN_SPEEDUP": 1.0, "samples_per_s": 99_999.0}
+    with pytest.raises(AssertionError, match="speedup"):
+        exec(grading_cell, namespace)
