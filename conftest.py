@@ -1,6 +1,25 @@
+import pytest
+
 # labs/ holds generated student notebooks that raise NotImplementedError by design, and
 # nbgrader's working folders hold copies: none of them is a test.
 collect_ignore = ["labs", "submitted", "autograded", "feedback", ".venv"]
 # The capstone's solution runs for minutes; the grading round trip (tests/test_labs.py) executes
 # it in full and fails on any error, so nbval would only run it a second time.
 collect_ignore.append("solutions/lab09_capstone")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    # Keep each phase's report on the test item, so a fixture can tell whether the test failed
+    # (the browser test takes a screenshot then).
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture(scope="module")
+def private_data_cache(tmp_path_factory):
+    """Generate the course data of one test module into a fresh folder, not the learner's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PERFLAB_DATA", str(tmp_path_factory.mktemp("data")))
+        yield

@@ -19,6 +19,7 @@ from torchvision.datasets import ImageFolder
 from perflab.data import (
     CharTokenizer, char_corpus, cifar10_image_folder, decode_all, get_batch, images, make_image_folder, make_text,
 )
+from perflab.train import OPTIMIZED, Workload, train
 
 SMALL = dict(train_per_class=3, val_per_class=2, image_size=32, progress=False)
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -170,6 +171,13 @@ def test_cifar_converts_to_the_same_layout_with_labels_and_pixels_intact(tmp_pat
     first_two = [image for label, image in originals["train"] if label == 0][:2]
     kept = decode_all(subset.train, progress=False)[0][:2].permute(0, 2, 3, 1).numpy().astype(int)
     assert np.abs(kept - np.stack(first_two)).mean() < 5
+
+
+def test_training_runs_on_cifar_when_the_learner_has_it(tmp_path, cifar_dir, monkeypatch):
+    monkeypatch.setenv("PERFLAB_DATA", str(tmp_path / "cache"))
+    result = train(OPTIMIZED, Workload(cifar10_dir=str(cifar_dir[0]), train_per_class=4, val_per_class=2, epochs=1),
+                   progress=False)
+    assert result.samples == 40 and 0 <= result.val_accuracy <= 1
 
 
 def test_missing_cifar_says_what_to_put_where(tmp_path):

@@ -12,10 +12,8 @@ TINY = Workload(num_classes=3, train_per_class=24, val_per_class=8, image_size=3
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERFLAB_DATA", str(tmp_path_factory.mktemp("data")))
-        return [train(config, TINY, progress=False) for config in (NAIVE, replace(NAIVE, name="cached", pipeline="cached"), OPTIMIZED)]
+def runs(private_data_cache):
+    return [train(config, TINY, progress=False) for config in (NAIVE, replace(NAIVE, name="cached", pipeline="cached"), OPTIMIZED)]
 
 
 def test_report_table_has_every_step_and_the_environment(runs):

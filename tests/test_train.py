@@ -21,13 +21,7 @@ from perflab.train import NAIVE, OPTIMIZED, PhaseTimer, TrainConfig, Workload, t
 from perflab.train_result import PHASES, TrainResult
 
 TINY = Workload(num_classes=3, train_per_class=24, val_per_class=8, image_size=32, epochs=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_data_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERFLAB_DATA", str(tmp_path_factory.mktemp("data")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_data_cache")  # conftest.py
 
 
 @pytest.fixture(scope="module")

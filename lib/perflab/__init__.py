@@ -5,7 +5,11 @@
     >>> perflab.benchmark(lambda: model(batch), device=device)
     >>> perflab.doctor()
 
-Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``.
+Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
+``memory``; the course's workloads in ``data``, ``models``, ``pipeline`` and ``train``; pictures
+in ``plots`` and ``report``; the capstone's benchmark and grader in ``capstone``. The most used
+instruments are re-exported here; import the rest from their modules
+(``from perflab.train import train, NAIVE``).
 """
 from perflab.bench import Comparison, Timing, benchmark, compare
 from perflab.device import count_syncs, pick_device, synchronize

@@ -1,4 +1,4 @@
-"""The ``perflab`` command: ``python -m perflab doctor`` or ``python -m perflab bench capstone``."""
+"""The ``perflab`` command: ``python -m perflab doctor``, ``... bench capstone`` or ``... data``."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--rounds", type=int, default=5, help="interleaved one-epoch rounds (default 5)")
     bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
     bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
+    commands.add_parser("data", help="generate the course's datasets and their decode-once caches now, not at first use")
     # The capstone grader's isolated child process: a submission as JSON on stdin.
     commands.add_parser("grade-capstone")
     args = parser.parse_args(argv)
@@ -31,6 +32,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(result.to_json())
         print(result)
+    elif args.command == "data":
+        from perflab.data import char_corpus, make_image_folder
+        from perflab.pipeline import CachedImages
+
+        images = make_image_folder()
+        for split in (images.train, images.val):
+            CachedImages(split)
+        print(images)
+        print(char_corpus())
     elif args.command == "grade-capstone":
         from perflab.capstone import grade_from_stdin
 

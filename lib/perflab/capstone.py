@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from perflab.bench import Comparison, Timing
 from perflab.device import pick_device
@@ -42,19 +43,26 @@ def ceiling_of(config: TrainConfig) -> TrainConfig:
 
 
 def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int = TRIAL_ROUNDS,
-                       device: torch.device, log=None) -> list[list[TrainResult]]:
-    """One epoch of each run per round, the order reversed every other round, after a warm-up epoch each."""
+                       device: torch.device, log=None, progress: bool = False) -> list[list[TrainResult]]:
+    """One epoch of each run per round, the order reversed every other round, after a warm-up epoch each.
+
+    The progress bar moves between epochs, outside the timed steps, so it costs the trials nothing.
+    """
     trials = [(config, replace(workload, epochs=1)) for config, workload in runs]
+    bar = tqdm(total=len(trials) * (rounds + 1), desc="interleaved trials", unit="epoch", disable=not progress)
     for config, workload in trials:
         train(config, workload, device=device, progress=False)  # warm-up: caches, allocator, compilation
+        bar.update()
     results: list[list[TrainResult]] = [[] for _ in runs]
     for round_index in range(rounds):
         order = range(len(trials)) if round_index % 2 == 0 else reversed(range(len(trials)))
         for side in order:
             results[side].append(train(*trials[side], device=device, progress=False))
+            bar.update()
         if log:
             log(f"round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)))
+    bar.close()
     return results
 
 
@@ -119,17 +127,15 @@ class CapstoneBenchmark:
 
 
 def benchmark_capstone(*, rounds: int = TRIAL_ROUNDS, device: str | torch.device | None = None,
-                       log=print) -> CapstoneBenchmark:
+                       progress: bool = True) -> CapstoneBenchmark:
     """Full runs of the baseline and the reference pipeline for accuracy, then interleaved trials."""
     device = pick_device(device)
     configs = (NAIVE, OPTIMIZED, ceiling_of(OPTIMIZED))
     accuracies = []
     for config in configs[:2]:
-        result = train(config, COURSE_WORKLOAD, device=device, progress=False)
-        log(f"full run: {result!r}")
-        accuracies.append(result.val_accuracy)
+        accuracies.append(train(config, COURSE_WORKLOAD, device=device, progress=progress).val_accuracy)
     trials = interleaved_trials([(config, COURSE_WORKLOAD) for config in configs], rounds=rounds,
-                                device=device, log=log)
+                                device=device, progress=progress)
     return CapstoneBenchmark(
         names=tuple(config.name for config in configs),
         samples_per_s=tuple(tuple(r.samples_per_s for r in side) for side in trials),

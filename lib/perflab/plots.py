@@ -3,6 +3,9 @@
     >>> from perflab.plots import phase_timeline, speedup_waterfall
     >>> speedup_waterfall([baseline, cached, final])        # samples/s gained or lost by each change
     >>> phase_timeline([baseline, final], seconds=0.5)       # where the first half second of each run went
+    >>> trace_timeline(profile_training(NAIVE, steps=8))     # the profiler's trace: host and device rows, gaps
+    >>> throughput_curve([32, 64, 128], results, knob="batch size")
+    >>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from perflab.memory_budget import COMPONENTS
+from perflab.profile import ProfiledRun, Span
 from perflab.train_result import PHASES, TrainResult
 
 PHASE_COLOURS = dict(zip(PHASES, ("#d62728", "#9467bd", "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")))
@@ -45,27 +50,87 @@ def speedup_waterfall(results: Sequence[TrainResult], *, title: str = "Where the
     return figure
 
 
-def phase_timeline(results: Sequence[TrainResult], *, seconds: float = 0.5,
-                   title: str = "The first training steps, phase by phase") -> Figure:
-    """One row per run: its first ``seconds`` of training steps laid end to end, coloured by phase."""
-    figure, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(results)))
-    for row, result in enumerate(results):
-        clock = 0.0
-        for step in result.steps:
-            for phase in PHASES:
-                ax.broken_barh([(clock * 1e3, step[phase] * 1e3)], (row - 0.35, 0.7), color=PHASE_COLOURS[phase])
-                clock += step[phase]
-            ax.axvline(clock * 1e3, ymin=(row + 0.15) / len(results), ymax=(row + 0.85) / len(results),
-                       color="white", linewidth=0.5)  # step boundary
-            if clock >= seconds:
-                break
-    ax.set_yticks(range(len(results)), [f"{r.name}\n{r.config['batch_size']} samples/step" for r in results])
-    ax.set_ylim(len(results) - 0.5, -0.5)
+def _draw_timeline(rows: dict[str, list[Span]], *, seconds: float, title: str, caption: str) -> Figure:
+    """One row per key: its spans, coloured by phase; white space is time nothing was recorded."""
+    figure, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(rows)))
+    colours = {**PHASE_COLOURS, "kernel": "#17becf"}
+    for index, spans in enumerate(rows.values()):
+        for span in spans:
+            if span.start_s < seconds:
+                ax.broken_barh([(span.start_s * 1e3, span.duration_s * 1e3)], (index - 0.35, 0.7),
+                               color=colours[span.name])
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, seconds * 1e3)
     ax.set_xlabel("time since the first step (ms)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=colour, label=phase) for phase, colour in PHASE_COLOURS.items()],
+    names = sorted({span.name for spans in rows.values() for span in spans}, key=list(colours).index)
+    ax.legend(handles=[Patch(color=colours[name], label=name) for name in names],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+def phase_timeline(results: Sequence[TrainResult], *, seconds: float = 0.5,
+                   title: str = "The first training steps, phase by phase") -> Figure:
+    """One row per run: its first ``seconds`` of steps, phases laid end to end from the step timer."""
+    rows = {}
+    for result in results:
+        spans, clock = [], 0.0
+        for step in result.steps:
+            for phase in PHASES:
+                spans.append(Span("host", phase, clock, step[phase]))
+                clock += step[phase]
+            if clock >= seconds:
+                break
+        rows[f"{result.name}\n{result.config['batch_size']} samples/step"] = spans
+    return _draw_timeline(rows, seconds=seconds, title=title, caption=provenance(results[-1]))
+
+
+def trace_timeline(run: ProfiledRun, *, seconds: float | None = None,
+                   title: str | None = None) -> Figure:
+    """The profiler's own trace: phase regions on the host row, kernels on the device row (on a GPU).
+
+    Gaps are real: time the host spent outside every phase, or the device spent idle.
+    """
+    spans = run.phase_spans()
+    rows = {"host (CPU)": [span for span in spans if span.row == "host"]}
+    device_spans = [span for span in spans if span.row == "device"]
+    caption = provenance(run.result)
+    if device_spans:
+        rows["device (GPU kernels)"] = device_spans
+    else:
+        caption += "; on a CPU the operators run inside the host's phases: there is no separate device row"
+    end = max(span.start_s + span.duration_s for span in spans)
+    return _draw_timeline(rows, seconds=seconds or end, caption=caption,
+                          title=title or f"Profiler trace of {len(run.result.steps)} steps of {run.result.name}")
+
+
+def throughput_curve(values: Sequence, results: Sequence[TrainResult], *, knob: str,
+                     title: str | None = None) -> Figure:
+    """Samples/s against one knob (batch size, workers...), one measured run per value."""
+    figure, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([str(v) for v in values], [r.samples_per_s for r in results], marker="o")
+    ax.set_xlabel(knob)
+    ax.set_ylabel("training throughput (samples/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or f"Throughput against {knob}")
     figure.text(0.01, 0.005, provenance(results[-1]), fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+def memory_curve(values: Sequence, memories: Sequence, *, knob: str, caption: str,
+                 title: str | None = None) -> Figure:
+    """Training memory against one knob, stacked by where it goes; ``memories`` are ``TrainingMemory``s."""
+    figure, ax = plt.subplots(figsize=(6, 4))
+    ax.stackplot([float(v) for v in values], *[[getattr(m, part) / 1e6 for m in memories] for part in COMPONENTS],
+                 labels=[part.replace("_", " ") for part in COMPONENTS], alpha=0.85)
+    ax.set_xlabel(knob)
+    ax.set_ylabel("memory (MB)")
+    ax.set_title(title or f"Training memory against {knob}")
+    ax.legend(loc="upper left", fontsize=8)
+    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.03, 1, 1))
     return figure

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from perflab.data import make_image_folder
+from perflab.data import cifar10_image_folder, make_image_folder
 from perflab.device import pick_device, synchronize
 from perflab.models import ResNet, ResNetConfig, count_parameters
 from perflab.pipeline import CachedImages, cached_batches, center_crop, pil_loader, random_crop_flip, to_model_input
@@ -45,6 +45,9 @@ class Workload:
     model: ResNetConfig = field(default_factory=ResNetConfig)
     epochs: int = 6
     seed: int = 0
+    # CIFAR-10 you already have (the python pickles' folder) instead of the generated shapes:
+    # the first ``*_per_class`` images of each class; ``image_size`` does not apply.
+    cifar10_dir: str | None = None
 
     @property
     def train_samples(self) -> int:
@@ -143,9 +146,13 @@ class _Data:
     """The dataset, and its decoded caches where the config or the evaluation needs them."""
 
     def __init__(self, config: TrainConfig, workload: Workload, progress: bool):
-        split = make_image_folder(num_classes=workload.num_classes, train_per_class=workload.train_per_class,
-                                  val_per_class=workload.val_per_class, image_size=workload.image_size,
-                                  seed=workload.seed, progress=progress)
+        if workload.cifar10_dir:
+            split = cifar10_image_folder(workload.cifar10_dir, train_per_class=workload.train_per_class,
+                                         val_per_class=workload.val_per_class, progress=progress)
+        else:
+            split = make_image_folder(num_classes=workload.num_classes, train_per_class=workload.train_per_class,
+                                      val_per_class=workload.val_per_class, image_size=workload.image_size,
+                                      seed=workload.seed, progress=progress)
         self.train = split.train
         self.val = CachedImages(split.val, progress=progress)
         self.cache = CachedImages(split.train, progress=progress) if config.pipeline != "pil" else None
@@ -178,8 +185,13 @@ def build_model(config: TrainConfig, workload: Workload, device: torch.device) -
 
 
 def train(config: TrainConfig = NAIVE, workload: Workload = Workload(), *, device: str | torch.device | None = None,
-          progress: bool = True) -> TrainResult:
-    """Train ``workload`` the way ``config`` says; returns speed, phase times and accuracy."""
+          progress: bool = True, max_steps: int | None = None) -> TrainResult:
+    """Train ``workload`` the way ``config`` says; returns speed, phase times and accuracy.
+
+    ``max_steps`` stops early, for a quick measurement of speed (explorers, profiles): the
+    result then covers fewer samples than the workload, and its accuracy means little.
+    The progress bar's updates cost microseconds against steps of milliseconds.
+    """
     device = pick_device(device)
     setup_start = time.perf_counter()
     data = _Data(config, workload, progress)
@@ -200,13 +212,16 @@ def train(config: TrainConfig = NAIVE, workload: Workload = Workload(), *, devic
     timer = PhaseTimer(device)
     losses, correct, samples, step = [], torch.zeros((), device=device, dtype=torch.long), 0, 0
     python_correct = 0
-    bar = tqdm(total=workload.epochs * steps_per_epoch, desc=f"training {config.name}", unit="step", disable=not progress)
+    total_steps = workload.epochs * steps_per_epoch if max_steps is None else min(max_steps, workload.epochs * steps_per_epoch)
+    bar = tqdm(total=total_steps, desc=f"training {config.name}", unit="step", disable=not progress)
     model.train()
     synchronize(device)
     start = time.perf_counter()
     for epoch in range(workload.epochs):
+        if step == max_steps:
+            break
         batches = iter(data.epoch(config, workload, epoch))
-        while True:
+        while step != max_steps:
             timer.new_step()
             with timer.phase("data_wait", host_only=True):
                 batch = next(batches, None)

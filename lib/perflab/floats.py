@@ -1,0 +1,252 @@
+"""How float32, bfloat16 and float16 store a number: the bits, the value kept, the error made.
+
+    >>> from perflab.floats import float_bits, compare_formats, format_ranges, bit_layout_figure
+    >>> float_bits(0.1, "bfloat16")
+    FloatBits(bfloat16: 0.1 -> 0.10009765625, sign 0 exponent 01111011 mantissa 1001101, relative error 9.8e-04)
+    >>> compare_formats(65520)       # a table: float16 overflows to inf, bfloat16 rounds to 65536
+    >>> format_ranges()              # largest finite, smallest normal, epsilon, decimal digits (torch.finfo)
+    >>> bit_layout_figure(0.1)       # one row of bit boxes per format, coloured sign/exponent/mantissa
+
+A Python number is first a float64; it is converted with ``torch.tensor(value, dtype=torch.float64)
+.to(dtype)``, round to nearest, ties to even. Torch narrows float64 to bfloat16 and float16 *through
+float32*, though, so a value a hair above a halfway point can be rounded twice and land one step
+below the correctly rounded answer (``1 + 2**-11 + 2**-40`` becomes 1.0 in float16; numpy's
+``float16`` gives 1.0009765625). What is shown is what torch stores. The bits are read from the
+stored tensor itself (``tensor.view(torch.int16)``), never recomputed from the value.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+FORMATS = ("float32", "bfloat16", "float16")
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+FIELD_COLOURS = {"sign": "#f4a3a3", "exponent": "#a9c9f2", "mantissa": "#b8e2b0"}
+_INT_OF_WIDTH = {32: torch.int32, 16: torch.int16}
+
+
+def _format_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = ALIASES.get(dtype.lower(), dtype.lower())
+    else:
+        raise TypeError(f"a float format is a name or a torch dtype, got {type(dtype).__name__} {dtype!r}")
+    if name not in FORMATS:
+        raise ValueError(f"unknown float format {dtype!r}: choose one of {', '.join(FORMATS)} "
+                         f"(or {', '.join(ALIASES)})")
+    return name
+
+
+def _as_float(value: float) -> float:
+    # bool is a number to Python, but never what a learner means; strings are refused rather than
+    # parsed so that "0.1" and 0.1 cannot silently differ in how they reach float64.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = f"; convert it first, e.g. float({value!r})" if isinstance(value, str) else ""
+        raise TypeError(f"expected a real number, got {type(value).__name__} {value!r}{hint}")
+    return float(value)
+
+
+def _field_widths(dtype: torch.dtype) -> tuple[int, int]:
+    """(exponent bits, mantissa bits): the mantissa has log2(1 / eps) bits, the sign one, the exponent the rest."""
+    info = torch.finfo(dtype)
+    mantissa = round(-math.log2(info.eps))
+    return info.bits - 1 - mantissa, mantissa
+
+
+@dataclass(frozen=True)
+class FloatBits:
+    """One number as one format stores it: the value kept and the bits that keep it."""
+
+    value: float  # as asked for, already a float64
+    format: str
+    stored: float  # what the format keeps, exactly (every one of these formats fits in a float64)
+    sign: str
+    exponent: str
+    mantissa: str
+
+    @property
+    def fields(self) -> tuple[tuple[str, str], ...]:
+        return ("sign", self.sign), ("exponent", self.exponent), ("mantissa", self.mantissa)
+
+    @property
+    def bits(self) -> str:
+        return self.sign + self.exponent + self.mantissa
+
+    @property
+    def absolute_error(self) -> float:
+        if self.stored == self.value:  # also inf kept as inf, where the subtraction would give nan
+            return 0.0
+        return abs(self.stored - self.value)
+
+    @property
+    def relative_error(self) -> float:
+        # A zero input is always stored exactly, so the division only happens for nonzero values.
+        return 0.0 if self.absolute_error == 0 else self.absolute_error / abs(self.value)
+
+    @property
+    def overflow(self) -> bool:
+        """A finite input too large for the format, stored as infinity."""
+        return math.isfinite(self.value) and math.isinf(self.stored)
+
+    @property
+    def underflow(self) -> bool:
+        """A nonzero input too small for the format, stored as zero."""
+        return self.value != 0 and self.stored == 0
+
+    @property
+    def subnormal(self) -> bool:
+        """Below the smallest normal number: exponent field all zeros, so fewer significant bits remain."""
+        return "1" not in self.exponent and "1" in self.mantissa
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(name for name in ("overflow", "underflow", "subnormal") if getattr(self, name))
+
+    def _bits_html(self) -> str:
+        boxes = (f'<span title="{field}" style="background:{FIELD_COLOURS[field]};color:#000">{bits}</span>'
+                 for field, bits in self.fields)
+        return "<code>" + " ".join(boxes) + "</code>"
+
+    def _row(self, bits: str) -> tuple[str, ...]:
+        """This result as a table row, with its bits drawn as ``bits`` (plain text or coloured HTML)."""
+        return self.format, repr(self.stored), bits, f"{self.relative_error:.1e}", ", ".join(self.flags)
+
+    def __repr__(self) -> str:
+        flags = "".join(f", {flag}" for flag in self.flags)
+        return (f"FloatBits({self.format}: {self.value!r} -> {self.stored!r}, sign {self.sign} exponent "
+                f"{self.exponent} mantissa {self.mantissa}, relative error {self.relative_error:.1e}{flags})")
+
+    def _repr_html_(self) -> str:
+        return _html_table(_BITS_HEADER, [self._row(self._bits_html())], caption=f"{self.value!r} as {self.format}")
+
+
+_BITS_HEADER = ("format", "stored value", "bits (sign exponent mantissa)", "relative error", "flags")
+_RANGES_HEADER = ("format", "max finite", "smallest normal", "epsilon", "decimal digits")
+
+
+def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [header, *rows])
+
+
+def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, caption: str) -> str:
+    # Cells are numbers, format names and the bit spans built above: nothing needs escaping.
+    head = "".join(f"<th>{cell}</th>" for cell in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><caption>{caption}</caption><tr>{head}</tr>{body}</table>"
+
+
+def float_bits(value: float, dtype: str | torch.dtype) -> FloatBits:
+    """``float_bits(0.1, "bfloat16")``: what ``dtype`` stores for ``value``, and its bits."""
+    number, name = _as_float(value), _format_name(dtype)
+    stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, name))
+    width = torch.finfo(stored.dtype).bits
+    # view() reinterprets the same bytes as a signed integer; the mask turns it into the unsigned pattern.
+    pattern = format(stored.view(_INT_OF_WIDTH[width]).item() & (2**width - 1), f"0{width}b")
+    exponent_bits, _ = _field_widths(stored.dtype)
+    return FloatBits(value=number, format=name, stored=stored.item(), sign=pattern[0],
+                     exponent=pattern[1:1 + exponent_bits], mantissa=pattern[1 + exponent_bits:])
+
+
+@dataclass(frozen=True)
+class FormatComparison:
+    """One number in every format, side by side."""
+
+    value: float
+    results: tuple[FloatBits, ...]
+
+    def __getitem__(self, dtype: str | torch.dtype) -> FloatBits:
+        return {result.format: result for result in self.results}[_format_name(dtype)]
+
+    def __repr__(self) -> str:
+        rows = [result._row(" ".join(bits for _, bits in result.fields)) for result in self.results]
+        return f"FormatComparison({self.value!r})\n" + _text_table(_BITS_HEADER, rows)
+
+    def _repr_html_(self) -> str:
+        return _html_table(_BITS_HEADER, [result._row(result._bits_html()) for result in self.results],
+                           caption=f"{self.value!r} in each format")
+
+
+def compare_formats(value: float) -> FormatComparison:
+    """``compare_formats(0.1)``: how float32, bfloat16 and float16 each store ``value``."""
+    number = _as_float(value)
+    return FormatComparison(number, tuple(float_bits(number, name) for name in FORMATS))
+
+
+@dataclass(frozen=True)
+class FormatRange:
+    """What one format can hold, from ``torch.finfo``."""
+
+    format: str
+    max_finite: float
+    smallest_normal: float
+    epsilon: float  # gap between 1.0 and the next number up: the relative precision
+    decimal_digits: int  # roughly how many significant decimal digits the format keeps
+
+
+@dataclass(frozen=True)
+class FormatRanges:
+    """The range and precision of every format, as a table."""
+
+    ranges: tuple[FormatRange, ...]
+
+    def __getitem__(self, dtype: str | torch.dtype) -> FormatRange:
+        return {limits.format: limits for limits in self.ranges}[_format_name(dtype)]
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        return [(r.format, f"{r.max_finite:.6g}", f"{r.smallest_normal:.6g}", f"{r.epsilon:.6g}", str(r.decimal_digits))
+                for r in self.ranges]
+
+    def __repr__(self) -> str:
+        return "FormatRanges\n" + _text_table(_RANGES_HEADER, self._rows())
+
+    def _repr_html_(self) -> str:
+        return _html_table(_RANGES_HEADER, self._rows(), caption=f"from torch.finfo, torch {torch.__version__}")
+
+
+def format_ranges() -> FormatRanges:
+    """``format_ranges()["float16"].max_finite`` is 65504.0: each format's limits, from ``torch.finfo``."""
+    def limits(name: str) -> FormatRange:
+        info = torch.finfo(getattr(torch, name))
+        # finfo.resolution is 10**-digits, the decimal precision numpy and torch both report.
+        return FormatRange(name, info.max, info.smallest_normal, info.eps, round(-math.log10(info.resolution)))
+    return FormatRanges(tuple(limits(name) for name in FORMATS))
+
+
+def bit_layout_figure(value: float) -> Figure:
+    """``bit_layout_figure(0.1)``: one row per format, one box per bit, coloured by field.
+
+    Rows start at the most significant bit, so float32 and bfloat16 line up: bfloat16 is
+    float32's top 16 bits (rounded), the same exponent with a shorter mantissa.
+    """
+    comparison = compare_formats(value)
+    results = comparison.results
+    width = max(len(result.bits) for result in results)
+    figure, ax = plt.subplots(figsize=(12, 1.4 + 0.7 * len(results)))
+    for row, result in enumerate(results):
+        fields = [field for field, bits in result.fields for _ in bits]
+        for position, (field, bit) in enumerate(zip(fields, result.bits)):
+            ax.add_patch(Rectangle((position, row - 0.4), 1, 0.8, facecolor=FIELD_COLOURS[field], edgecolor="white"))
+            ax.text(position + 0.5, row, bit, ha="center", va="center", fontsize=8, family="monospace")
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(results) - 0.5, -0.5)
+    ax.set_xticks([position + 0.5 for position in range(width)], [str(p) for p in range(width)], fontsize=7)
+    ax.set_yticks(range(len(results)), [f"{r.format}\n{r.stored!r}" + "".join(f" ({flag})" for flag in r.flags)
+                                        for r in results])
+    ax.set_xlabel("bit position (most significant first)")
+    ax.set_title(f"How {comparison.value!r} is stored in each format")
+    ax.legend(handles=[Patch(facecolor=colour, label=field) for field, colour in FIELD_COLOURS.items()],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_frame_on(False)
+    figure.text(0.01, 0.005, f"bits read from torch tensors with tensor.view(int), torch {torch.__version__}; "
+                "converted from float64 (torch rounds through float32), ties to even", fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.04, 1, 1))
+    return figure
