@@ -58,6 +58,14 @@ def test_helper_files_beside_a_source_never_reach_the_release(tmp_path):
     assert (release / "data" / "measurements.csv").read_text() == "size,seconds\n1,0.5\n"
 
 
+def _errors(course: NbgraderCourse, lab: str) -> list[str]:
+    """Each error the autograded reference solution shows, as "cell id: ExceptionName: message"."""
+    return [f"{cell.metadata.get('nbgrader', {}).get('grade_id', '?')}: {output.ename}: {output.evalue}"
+            for path in sorted((course.root / "autograded" / "solved" / lab).glob("*.ipynb"))
+            for cell in nbformat.read(path, as_version=4).cells
+            for output in cell.get("outputs", []) if output.output_type == "error"]
+
+
 @pytest.mark.parametrize("lab", LAB_NAMES)
 def test_grading_round_trip(tmp_path, lab):
     """Release, hand in the solution and the untouched release, autograde, feedback, export."""
@@ -73,14 +81,14 @@ def test_grading_round_trip(tmp_path, lab):
         solved = gradebook.find_submission(lab, "solved")
         untouched = gradebook.find_submission(lab, "untouched")
         assert solved.max_code_score > 0, "the lab has no autograded points"
-        assert solved.code_score == solved.max_code_score, "the reference solution must get every autograded point"
+        lost = [f"{grade.name} {grade.score:g}/{grade.max_score:g}" for notebook in solved.notebooks
+                for grade in notebook.grades if grade.cell.cell_type == "code" and grade.score < grade.max_score]
+        assert not lost, f"the reference solution must get every autograded point; lost: {lost}\n{_errors(course, lab)}"
         assert untouched.code_score == 0, "an untouched release must get no autograded point"
         assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
 
+    assert not _errors(course, lab), f"the autograded solution raised {_errors(course, lab)}"
     for notebook_path in (course.root / "autograded" / "solved" / lab).glob("*.ipynb"):
-        notebook = nbformat.read(notebook_path, as_version=4)
-        errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.output_type == "error"]
-        assert not errors, f"{notebook_path.name}: the autograded solution raised {[e.ename for e in errors]}"
         feedback = course.root / "feedback" / "solved" / lab / notebook_path.with_suffix(".html").name
         assert feedback.is_file(), f"no feedback for {notebook_path.name}"
 

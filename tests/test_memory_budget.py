@@ -10,6 +10,7 @@ from perflab.memory_budget import (
     COMPONENTS, OPTIMIZERS, PRECISIONS, estimate_training_memory, measure_training_memory,
 )
 from perflab.models import GPTConfig
+from perflab.plots import memory_curve
 
 # (n_layer, n_embd, n_head, seq_len, batch_size, dropout, tile_size), each shape chosen for a case
 # the formulas treat apart: batch 1 and one head make q/k/v tiles views instead of copies, 40 and
@@ -132,3 +133,17 @@ def test_results_show_megabytes_and_ratios():
     assert "activations 1.000" in repr(comparison)
     assert "estimate / measured" in comparison._repr_html_()
     assert measured.peak_allocated is None  # only CUDA reports an allocator peak
+
+
+def test_memory_curve_stacks_each_component_to_the_total():
+    lengths = [64, 128, 256]
+    estimates = [estimate_training_memory(GPTConfig(n_layer=2, block_size=256), batch_size=4, seq_len=length)
+                 for length in lengths]
+    figure = memory_curve(lengths, estimates, knob="sequence length (tokens)", caption="estimated for a 2-layer GPT")
+    ax = figure.axes[0]
+    assert ax.get_title() and ax.get_xlabel() == "sequence length (tokens)" and "MB" in ax.get_ylabel()
+    top = ax.collections[-1].get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(estimates[-1].total / 1e6)
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "parameters", "gradients", "optimizer state", "activations"]
+    assert any("estimated" in text.get_text() for text in figure.texts)

@@ -7,13 +7,16 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from perflab.capstone import BENCHMARK_ROUNDS
+
     parser = argparse.ArgumentParser(prog="python -m perflab", description=__doc__.split(":")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     doctor_parser = commands.add_parser("doctor", help="measure what this machine can do and print a table to paste into a question")
     doctor_parser.add_argument("--device", help="device to check (default: cuda, then mps, then cpu)")
     bench_parser = commands.add_parser("bench", help="run one of the course's benchmarks and print its figures")
     bench_parser.add_argument("name", choices=["capstone"], help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling")
-    bench_parser.add_argument("--rounds", type=int, default=5, help="interleaved one-epoch rounds (default 5)")
+    bench_parser.add_argument("--rounds", type=int, default=BENCHMARK_ROUNDS,
+                              help=f"interleaved one-epoch rounds (default {BENCHMARK_ROUNDS})")
     bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
     bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
     commands.add_parser("data", help="generate the course's datasets and their decode-once caches now, not at first use")

@@ -33,7 +33,10 @@ MIN_SPEEDUP = 2.0
 # differ by up to about one point here (thread scheduling changes float sums); a larger batch
 # that keeps its accuracy by a retuned learning rate ends within two points of the baseline.
 ACCURACY_TOLERANCE = 0.03
-TRIAL_ROUNDS = 5
+TRIAL_ROUNDS = 5  # the grader's: five rounds keep one grading within two minutes on a 2-core CPU
+# The benchmark has no such limit: on a machine whose speed drifts by half within a minute (a
+# shared cloud VM), nine rounds make two runs agree far better than five.
+BENCHMARK_ROUNDS = 9
 CONFIDENCE = 0.9  # what 5 rounds allow: the median's order-statistic interval covers 94%
 
 
@@ -98,11 +101,13 @@ class CapstoneBenchmark:
         return statistics.median(o / c for o, c in zip(self.samples_per_s[1], self.samples_per_s[2]))
 
     def _rows(self) -> list[tuple[str, str, str, str]]:
-        medians = [statistics.median(side) for side in self.samples_per_s]
+        """Median samples/s, and the median of per-round ratios to the baseline, as ``speedup`` takes it."""
+        baseline = self.samples_per_s[0]
         return [
-            (name, f"{median:,.0f}", f"{median / medians[0]:.2f}x",
+            (name, f"{statistics.median(side):,.0f}",
+             f"{statistics.median(rate / base for rate, base in zip(side, baseline)):.2f}x",
              "-" if accuracy is None else f"{accuracy:.1%}")
-            for name, median, accuracy in zip(self.names, medians, self.accuracies)
+            for name, side, accuracy in zip(self.names, self.samples_per_s, self.accuracies)
         ]
 
     def __str__(self) -> str:
@@ -126,7 +131,7 @@ class CapstoneBenchmark:
         return json.dumps({**asdict(self), "speedup": self.speedup.speedup, "ceiling_share": self.ceiling_share})
 
 
-def benchmark_capstone(*, rounds: int = TRIAL_ROUNDS, device: str | torch.device | None = None,
+def benchmark_capstone(*, rounds: int = BENCHMARK_ROUNDS, device: str | torch.device | None = None,
                        progress: bool = True) -> CapstoneBenchmark:
     """Full runs of the baseline and the reference pipeline for accuracy, then interleaved trials."""
     device = pick_device(device)
