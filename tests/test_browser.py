@@ -144,19 +144,37 @@ def test_lab01_runs_to_its_not_implemented_error_and_validates(jupyterlab, page)
     assert "Validation Results" in dialog.inner_text() or "failed" in dialog.inner_text().lower()
 
 
-def test_lecture_explorer_reacts_to_its_slider(jupyterlab, page):
-    _open_notebook(page, jupyterlab, "lectures/01_gpu_basics.ipynb")
-    _run_cell(page, "from perflab.widgets import")
-    explorer = _run_cell(page, "training_memory_explorer()")
+def _result_changes(page, explorer, interact) -> str:
+    """Wait for the explorer's result, ``interact`` with it, and return the result once it changed."""
     result = explorer.locator(".widget-html-content").last  # the result sits below the controls
-    result.wait_for(timeout=CELL_TIMEOUT_MS)
-    page.wait_for_function("element => element.innerText.includes('activations')", arg=result.element_handle(),
+    page.wait_for_function("element => element.innerText.trim() !== ''", arg=result.element_handle(),
                            timeout=CELL_TIMEOUT_MS)
     before = result.inner_text()
-
-    slider = explorer.locator(".widget-slider", has_text="sequence length").locator(".noUi-handle")
-    slider.focus()
-    page.keyboard.press("ArrowRight")
+    interact()
     page.wait_for_function("([element, old]) => element.innerText !== old", arg=[result.element_handle(), before],
                            timeout=CELL_TIMEOUT_MS)
-    assert result.inner_text() != before
+    return result.inner_text()
+
+
+def test_lecture_explorers_react_to_their_controls(jupyterlab, page):
+    _open_notebook(page, jupyterlab, "lectures/01_gpu_basics.ipynb")
+    loading = _run_cell(page, "from perflab.widgets import")
+    after = _result_changes(page, loading, lambda: loading.get_by_role("button", name="decoded once").click())
+    assert re.search(r"^cached, batch 32, .* samples/s", after, re.MULTILINE)
+
+    floats = _run_cell(page, "float_format_explorer(")
+
+    def type_a_number_too_large_for_float16():
+        field = floats.locator(".widget-text input")
+        field.fill("70000")
+        field.press("Enter")
+
+    assert "inf" in _result_changes(page, floats, type_a_number_too_large_for_float16)
+
+    memory = _run_cell(page, "training_memory_explorer()")
+
+    def longer_sequences():
+        memory.locator(".widget-slider", has_text="sequence length").locator(".noUi-handle").focus()
+        page.keyboard.press("ArrowRight")
+
+    assert "activations" in _result_changes(page, memory, longer_sequences)
