@@ -1,0 +1,109 @@
+"""Data-bound, compute-bound, memory-bound or overhead-bound? Decided from a profile's measurements.
+
+    >>> from perflab.profile import profile_training
+    >>> from perflab.diagnose import diagnose
+    >>> diagnose(profile_training(NAIVE, steps=8))
+    Diagnosis(data-bound: data 48%, compute 27%, memory 14%, overhead 11% of the steps' time)
+
+The steps' time (the profiled phases: data_wait, h2d, fwd, bwd, opt, log) is split four ways:
+
+- **data**: the ``data_wait`` and ``h2d`` phases, where the step waits for its input;
+- **compute**: operators that do dense arithmetic: convolutions, matrix multiplies, attention kernels;
+- **memory**: every other operator (elementwise, normalization, softmax, copies, the optimizer's
+  updates), which moves more bytes than it computes on;
+- **overhead**: the rest, where no operator ran: Python, dispatch, kernel launches, syncs and
+  logging. On a GPU the operators' time is the device's, so this is the time the device sat idle.
+
+The largest share names the bottleneck. Any loop can be diagnosed if it wraps its phases in
+``torch.profiler.record_function`` regions with those names, as ``perflab.train`` does. The
+operator classes go by name, which is a heuristic: a matmul on tiny matrices is memory- or
+overhead-bound in truth. So the diagnosis lists the operators behind each share: judge them too.
+"""
+from __future__ import annotations
+
+import bisect
+import html
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch.autograd import DeviceType
+from torch.profiler import profile
+
+from perflab.profile import ProfiledRun
+from perflab.train_result import PHASES
+
+KINDS = {"data": "data-bound", "compute": "compute-bound", "memory": "memory-bound", "overhead": "overhead-bound"}
+ADVICE = {
+    "data-bound": "feed it faster: decode once, augment whole batches as tensors, DataLoader workers, "
+                  "pin_memory with non_blocking copies (chapter 03)",
+    "compute-bound": "make the arithmetic cheaper: bf16 or fp16 autocast on tensor cores, TF32, channels_last "
+                     "(chapter 04); or do less of it",
+    "memory-bound": "move fewer bytes: fuse elementwise operators with torch.compile (chapter 06), a fused "
+                    "optimizer, SDPA instead of materialising the attention scores (chapter 08)",
+    "overhead-bound": "do more per call: a larger batch, fewer syncs (.item(), print), torch.compile, "
+                      "CUDA graphs (mode='reduce-overhead') on a GPU (chapters 01 and 06)",
+}
+COMPUTE_OPERATOR = re.compile(r"conv|matmul|linear|attention|^(_int_|add|b|baddb)?mm$|^(addmv|mv|dot)$")
+WORK_PHASES = ("fwd", "bwd", "opt")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Where the steps' time went, and what that makes the run."""
+
+    kind: str
+    shares: dict[str, float]  # data, compute, memory, overhead: fractions of the steps' time
+    operators: tuple[tuple[str, str, float], ...]  # (operator, class, share), largest first
+
+    @property
+    def advice(self) -> str:
+        return ADVICE[self.kind]
+
+    def __repr__(self) -> str:
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in self.shares.items())
+        return f"Diagnosis({self.kind}: {shares} of the steps' time)"
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{name}</th>" for name in self.shares)
+        cells = "".join(f"<td>{share:.0%}</td>" for share in self.shares.values())
+        operators = "".join(f"<tr><td><code>{html.escape(name)}</code></td><td>{kind}</td><td>{share:.1%}</td></tr>"
+                            for name, kind, share in self.operators)
+        return (f"<p><b>{self.kind}</b>: {html.escape(self.advice)}</p><table><tr>{head}</tr><tr>{cells}</tr></table>"
+                f"<table><caption>largest operators</caption><tr><th>operator</th><th>class</th><th>share</th></tr>"
+                f"{operators}</table>")
+
+
+def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
+    """Classify a profiled run by the largest of its data, compute, memory and overhead shares."""
+    events = (run.profiler if isinstance(run, ProfiledRun) else run).events()
+    phases = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                    if e.name in PHASES and e.device_type == DeviceType.CPU)
+    if not phases:
+        raise ValueError("no phase regions in this profile: wrap each phase of the step in "
+                         f"torch.profiler.record_function(name), name one of {', '.join(PHASES)}")
+    on_device = any(e.device_type == DeviceType.CUDA for e in events)
+    starts = [start for start, _, _ in phases]
+    seconds: dict[str, float] = defaultdict(float)
+    for start, end, name in phases:
+        seconds["data" if name in ("data_wait", "h2d") else "phases"] += (end - start) / 1e6
+    by_operator: dict[str, float] = defaultdict(float)
+    for event in events:
+        if not event.name.startswith("aten::") or event.device_type != DeviceType.CPU:
+            continue
+        index = bisect.bisect_right(starts, event.time_range.start) - 1
+        if index < 0 or event.time_range.start > phases[index][1] or phases[index][2] not in WORK_PHASES:
+            continue  # outside fwd / bwd / opt: the input pipeline's tensor ops count as data
+        self_us = event.self_device_time_total if on_device else event.self_cpu_time_total
+        by_operator[event.name] += self_us / 1e6
+    classes = {name: "compute" if COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory"
+               for name in by_operator}
+    for name, spent in by_operator.items():
+        seconds[classes[name]] += spent
+    total = max(seconds["data"] + seconds["phases"], seconds["data"] + seconds["compute"] + seconds["memory"])
+    shares = {"data": seconds["data"] / total, "compute": seconds["compute"] / total,
+              "memory": seconds["memory"] / total}
+    shares["overhead"] = max(0.0, 1 - sum(shares.values()))
+    largest = sorted(by_operator.items(), key=lambda item: item[1], reverse=True)[:top]
+    return Diagnosis(kind=KINDS[max(shares, key=shares.get)], shares=shares,
+                     operators=tuple((name, classes[name], spent / total) for name, spent in largest))
