@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
 
 from perflab.data import (
-    CharTokenizer, char_corpus, cifar10_image_folder, decode_all, get_batch, images, make_image_folder, make_text,
+    CharTokenizer, char_corpus, cifar10_image_folder, decode_all, export_formats, get_batch, images, make_image_folder,
+    make_text,
 )
 from perflab.train import OPTIMIZED, Workload, train
 
@@ -234,6 +236,27 @@ def test_classes_are_learnable_and_not_given_away_by_colour(tmp_path):
         optimizer.step()
     colour_accuracy = (colour(val_colour).argmax(1) == val_y).float().mean().item()
     assert colour_accuracy < 0.2, f"mean colour alone predicts {colour_accuracy:.0%} of classes"
+
+
+def test_storage_formats_hold_the_same_pixels_and_are_written_once(tmp_path):
+    data = make_image_folder(tmp_path, **SMALL)
+    stored = export_formats(data.train, count=6)
+    pixels = np.load(stored.array, mmap_mode="r")
+    assert pixels.shape == (6, 32, 32, 3) and pixels.dtype == np.uint8
+    samples = ImageFolder(data.train).samples
+    assert len({samples[i * 30 // 6][1] for i in range(6)}) == 6, "spread over the classes, not all from the first"
+    for index in range(6):
+        original = samples[index * 30 // 6][0]
+        assert stored.jpeg[index].read_bytes() == Path(original).read_bytes()
+        with Image.open(stored.png[index]) as png, Image.open(original) as jpeg:
+            assert np.array_equal(np.asarray(png), np.asarray(jpeg.convert("RGB"))), "PNG is lossless"
+            assert np.array_equal(pixels[index], np.asarray(png))
+    sizes = stored.bytes_on_disk
+    assert sizes["raw .npy"] >= 6 * 32 * 32 * 3 and sizes["JPEG"] < sizes["PNG"]
+    stamp = stored.array.stat().st_mtime_ns
+    assert export_formats(data.train, count=6) == stored and stored.array.stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="count"):
+        export_formats(data.train, count=31)
 
 
 def test_text_is_deterministic_and_about_the_size_asked():

@@ -10,6 +10,9 @@ import torch
 
 from perflab.floats import FORMATS, bit_layout_figure, compare_formats, float_bits, format_ranges
 
+TORCH_FORMATS = [name for name in FORMATS if name != "tfloat32"]  # TF32 is no torch dtype: no finfo
+WIDTHS = {"float32": 32, "tfloat32": 19, "bfloat16": 16, "float16": 16}
+
 
 def from_fields(result) -> float:
     """The value an IEEE-style sign/exponent/mantissa pattern encodes, computed independently of torch."""
@@ -21,14 +24,26 @@ def from_fields(result) -> float:
     return sign * (1 + mantissa / 2**mantissa_bits) * 2.0 ** (exponent - bias)
 
 
+def tf32_reference(value: float) -> float:
+    """float32, then the nearest number with 11 significant bits (ties to even), by arithmetic on Python floats."""
+    with np.errstate(over="ignore"):
+        single = float(np.float32(value))
+    if not math.isfinite(single) or single == 0:
+        return single
+    _, exponent = math.frexp(single)  # single = m * 2**exponent with 0.5 <= |m| < 1
+    step = 2.0 ** (max(exponent, -125) - 11)  # below float32's smallest normal the step stays that of 2**-126
+    rounded = round(single / step) * step  # round() on a float rounds half to even
+    return rounded if abs(rounded) <= (2 - 2**-10) * 2.0**127 else math.copysign(math.inf, single)
+
+
 def test_one_in_float32():
     one = float_bits(1.0, "float32")
     assert (one.sign, one.exponent, one.mantissa) == ("0", "01111111", "0" * 23)
     assert one.stored == 1.0 and one.absolute_error == 0 and one.relative_error == 0 and one.flags == ()
 
 
-@pytest.mark.parametrize("name, exponent, mantissa_bits", [("float32", "10000000", 23), ("bfloat16", "10000000", 7),
-                                                           ("float16", "10000", 10)])
+@pytest.mark.parametrize("name, exponent, mantissa_bits", [("float32", "10000000", 23), ("tfloat32", "10000000", 10),
+                                                           ("bfloat16", "10000000", 7), ("float16", "10000", 10)])
 def test_minus_two_sets_the_sign_and_one_exponent_step(name, exponent, mantissa_bits):
     two = float_bits(-2.0, name)
     assert (two.sign, two.exponent, two.mantissa) == ("1", exponent, "0" * mantissa_bits)
@@ -62,7 +77,7 @@ def test_1e_minus_8_underflows_float16_only():
     comparison = compare_formats(1e-8)
     half = comparison["float16"]
     assert half.underflow and half.stored == 0.0 and half.bits == "0" * 16 and half.relative_error == 1.0
-    for name, epsilon in (("bfloat16", 2**-8), ("float32", 2**-24)):
+    for name, epsilon in (("bfloat16", 2**-8), ("tfloat32", 2**-11), ("float32", 2**-24)):
         kept = comparison[name]
         assert not kept.underflow and not kept.subnormal and kept.relative_error < epsilon
 
@@ -95,8 +110,11 @@ def test_bits_encode_the_stored_value_for_random_numbers():
     for value in values.tolist():
         for name in FORMATS:
             result = float_bits(value, name)
-            assert result.stored == torch.tensor(value, dtype=torch.float64).to(getattr(torch, name)).item()
-            assert len(result.bits) == torch.finfo(getattr(torch, name)).bits
+            if name == "tfloat32":
+                assert result.stored == tf32_reference(value), (value, result)
+            else:
+                assert result.stored == torch.tensor(value, dtype=torch.float64).to(getattr(torch, name)).item()
+            assert len(result.bits) == WIDTHS[name]
             if math.isinf(result.stored):
                 assert result.overflow and result.exponent == "1" * len(result.exponent)
             else:
@@ -111,8 +129,41 @@ def test_torch_rounds_float64_to_float16_through_float32():
     assert float_bits(value, "float16").stored == 1.0
 
 
+def test_tf32_keeps_ten_mantissa_bits_rounding_ties_to_even():
+    # 1 + 2**-11 lies halfway between 1 and 1 + 2**-10: the tie goes to the even neighbour, 1.
+    assert float_bits(1 + 2**-11, "tf32").stored == 1.0
+    # 1 + 3 * 2**-11 lies halfway between 1 + 2**-10 (odd last bit) and 1 + 2**-9 (even): up.
+    assert float_bits(1 + 3 * 2**-11, "tf32").stored == 1 + 2**-9
+    assert float_bits(1 + 2**-11 + 2**-20, "tf32").stored == 1 + 2**-10  # just past halfway: up
+    carried = float_bits(2 - 2**-12, "tf32")  # rounds up to 2: the carry moves into the exponent
+    assert carried.stored == 2.0 and (carried.exponent, carried.mantissa) == ("10000000", "0" * 10)
+    tenth = float_bits(0.1, "tf32")
+    assert tenth.stored == float_bits(0.1, "float16").stored  # same 10 mantissa bits, ample exponent here
+    assert tenth.bits == float_bits(0.1, "float32").bits[:19]  # the first bit dropped is 0: rounds down
+
+
+def test_tf32_has_float32_range_and_float16_precision():
+    comparison = compare_formats(70000)
+    assert comparison["tf32"].stored == 70016.0 and not comparison["tf32"].overflow  # float16 overflows
+    assert comparison["float16"].overflow
+    tiny = float_bits(1e-30, "tf32")
+    assert not tiny.underflow and not tiny.subnormal and tiny.relative_error < 2**-11
+    below_normal = float_bits(1e-40, "tf32")  # a float32 subnormal: tf32 keeps its top mantissa bits only
+    assert below_normal.subnormal and below_normal.stored == tf32_reference(1e-40)
+    assert float_bits(-math.inf, "tf32").stored == -math.inf and math.isnan(float_bits(math.nan, "tf32").stored)
+
+
+def test_tf32_overflows_just_above_its_largest_value():
+    largest = format_ranges()["tf32"].max_finite
+    assert float_bits(largest, "tf32").stored == largest and float_bits(largest, "tf32").mantissa == "1" * 10
+    assert float_bits(largest * (1 + 2**-12), "tf32").stored == largest  # below halfway to 2**128
+    assert float_bits(largest * (1 + 2**-11), "tf32").overflow  # past halfway to 2**128: rounds up to inf
+    assert float_bits(largest * (1 + 2**-11), "float32").stored < math.inf  # float32 itself still holds it
+
+
 def test_formats_can_be_named_by_dtype_or_alias():
     assert float_bits(0.1, torch.bfloat16) == float_bits(0.1, "bf16") == float_bits(0.1, "BFloat16")
+    assert float_bits(0.1, "tf32") == float_bits(0.1, "TensorFloat32") == float_bits(0.1, "tfloat32")
     assert float_bits(3, "half").stored == 3.0 and float_bits(np.float32(0.5), "fp32").stored == 0.5
 
 
@@ -137,11 +188,17 @@ def test_a_string_is_refused_with_a_hint():
 def test_format_ranges_come_from_finfo():
     ranges = format_ranges()
     assert [limits.format for limits in ranges.ranges] == list(FORMATS)
-    for name in FORMATS:
+    for name in TORCH_FORMATS:
         info, limits = torch.finfo(getattr(torch, name)), ranges[name]
         assert (limits.max_finite, limits.smallest_normal, limits.epsilon) == (info.max, info.smallest_normal, info.eps)
-    assert [ranges[name].decimal_digits for name in FORMATS] == [6, 2, 3]
+    assert [ranges[name].decimal_digits for name in FORMATS] == [6, 3, 2, 3]
     assert "65504" in repr(ranges) and ranges._repr_html_().count("<tr>") == 1 + len(FORMATS)
+
+
+def test_tf32_range_is_float32_exponent_with_ten_mantissa_bits():
+    tf32, single = format_ranges()["tfloat32"], torch.finfo(torch.float32)
+    assert tf32.smallest_normal == single.smallest_normal and tf32.epsilon == 2**-10
+    assert tf32.max_finite == (2 - 2**-10) * 2.0**127 and tf32.max_finite < single.max
 
 
 def test_comparison_table_lists_every_format():
@@ -161,9 +218,9 @@ def test_bit_layout_figure_is_titled_labelled_and_sourced():
         ax = figure.axes[0]
         assert "65520" in ax.get_title() and ax.get_xlabel() == "bit position (most significant first)"
         rows = [label.get_text() for label in ax.get_yticklabels()]
-        assert len(rows) == 3 and all(row.startswith(name) for row, name in zip(rows, FORMATS))
-        assert "inf" in rows[2] and "overflow" in rows[2]
-        assert len(ax.patches) == 32 + 16 + 16 and ax.get_legend() is not None
+        assert len(rows) == len(FORMATS) and all(row.startswith(name) for row, name in zip(rows, FORMATS))
+        assert "inf" in rows[-1] and "overflow" in rows[-1]  # float16
+        assert len(ax.patches) == sum(WIDTHS.values()) and ax.get_legend() is not None
         assert any(torch.__version__ in text.get_text() for text in figure.texts)
     finally:
         plt.close(figure)

@@ -31,6 +31,15 @@ def test_profile_covers_the_steps_asked_for_with_every_phase(profiled):
     assert "aten::" in profiled.table(row_limit=5)
 
 
+def test_a_memory_profile_sorts_operators_by_what_they_allocate():
+    run = profile_training(NAIVE, TINY, steps=2, profile_memory=True)
+    largest = max(run.profiler.key_averages(), key=lambda row: row.self_cpu_memory_usage)
+    assert largest.self_cpu_memory_usage > 0
+    table = run.table(sort_by="self_cpu_memory_usage", row_limit=5)
+    header, first_row = table.splitlines()[1], table.splitlines()[3]
+    assert "Self CPU Mem" in header and f" {largest.key} " in f" {first_row} "
+
+
 def test_trace_exports_for_perfetto(profiled, tmp_path):
     profiled.export(tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -18,6 +18,7 @@ The largest share names the bottleneck. Any loop can be diagnosed if it wraps it
 ``torch.profiler.record_function`` regions with those names, as ``perflab.train`` does. The
 operator classes go by name, which is a heuristic: a matmul on tiny matrices is memory- or
 overhead-bound in truth. So the diagnosis lists the operators behind each share: judge them too.
+``perflab.planted`` holds one short run of each kind, to see (and test) the diagnosis on.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How float32, bfloat16 and float16 store a number: the bits, the value kept, the error made.
+"""How float32, TF32, bfloat16 and float16 store a number: the bits, the value kept, the error made.
 
     >>> from perflab.floats import float_bits, compare_formats, format_ranges, bit_layout_figure
     >>> float_bits(0.1, "bfloat16")
@@ -6,6 +6,7 @@
     >>> compare_formats(65520)       # a table: float16 overflows to inf, bfloat16 rounds to 65536
     >>> format_ranges()              # largest finite, smallest normal, epsilon, decimal digits (torch.finfo)
     >>> bit_layout_figure(0.1)       # one row of bit boxes per format, coloured sign/exponent/mantissa
+    >>> float_bits(0.1, "tf32")      # TensorFloat-32: float32's exponent, float16's 10 mantissa bits
 
 A Python number is first a float64; it is converted with ``torch.tensor(value, dtype=torch.float64)
 .to(dtype)``, round to nearest, ties to even. Torch narrows float64 to bfloat16 and float16 *through
@@ -13,6 +14,11 @@ float32*, though, so a value a hair above a halfway point can be rounded twice a
 below the correctly rounded answer (``1 + 2**-11 + 2**-40`` becomes 1.0 in float16; numpy's
 ``float16`` gives 1.0009765625). What is shown is what torch stores. The bits are read from the
 stored tensor itself (``tensor.view(torch.int16)``), never recomputed from the value.
+
+TF32 (``"tfloat32"``) is not a storage type: NVIDIA's tensor cores read float32 inputs and keep only
+the top 10 of their 23 mantissa bits, when ``torch.set_float32_matmul_precision("high")`` allows it.
+Here the float32 value is rounded to 10 mantissa bits, to nearest, ties to even, and kept in a
+float32 tensor whose low 13 bits are zero; the tensor cores' own conversion may differ in the last bit.
 """
 from __future__ import annotations
 
@@ -25,10 +31,13 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-FORMATS = ("float32", "bfloat16", "float16")
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+FORMATS = ("float32", "tfloat32", "bfloat16", "float16")
+ALIASES = {"fp32": "float32", "tf32": "tfloat32", "tensorfloat32": "tfloat32", "bf16": "bfloat16",
+           "fp16": "float16", "half": "float16"}
 FIELD_COLOURS = {"sign": "#f4a3a3", "exponent": "#a9c9f2", "mantissa": "#b8e2b0"}
 _INT_OF_WIDTH = {32: torch.int32, 16: torch.int16}
+TF32_MANTISSA_BITS = 10
+_TF32_DROPPED_BITS = 23 - TF32_MANTISSA_BITS  # float32 mantissa bits the tensor cores ignore
 
 
 def _format_name(dtype: str | torch.dtype) -> str:
@@ -53,11 +62,35 @@ def _as_float(value: float) -> float:
     return float(value)
 
 
-def _field_widths(dtype: torch.dtype) -> tuple[int, int]:
+def _field_widths(name: str) -> tuple[int, int]:
     """(exponent bits, mantissa bits): the mantissa has log2(1 / eps) bits, the sign one, the exponent the rest."""
-    info = torch.finfo(dtype)
+    if name == "tfloat32":
+        exponent, _ = _field_widths("float32")
+        return exponent, TF32_MANTISSA_BITS
+    info = torch.finfo(getattr(torch, name))
     mantissa = round(-math.log2(info.eps))
     return info.bits - 1 - mantissa, mantissa
+
+
+def _round_to_tf32(single: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar rounded to 10 mantissa bits (to nearest, ties to even), still a float32 tensor."""
+    bits = single.view(torch.int32).item() & 0xFFFFFFFF
+    if (bits >> 23) & 0xFF == 0xFF:  # inf and nan have nothing to round
+        return single
+    dropped = (1 << _TF32_DROPPED_BITS) - 1
+    kept_lowest_bit = (bits >> _TF32_DROPPED_BITS) & 1
+    # Adding just under half a step (plus one on a tie with an odd last kept bit) and cutting off the
+    # dropped bits rounds to nearest, ties to even; a carry into the exponent is the right result,
+    # up to infinity just above the largest finite value.
+    rounded = (bits + (dropped >> 1) + kept_lowest_bit) & ~dropped & 0xFFFFFFFF
+    signed = rounded - (1 << 32) if rounded >> 31 else rounded
+    return torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+
+
+def _stored(number: float, name: str) -> torch.Tensor:
+    if name == "tfloat32":
+        return _round_to_tf32(torch.tensor(number, dtype=torch.float64).to(torch.float32))
+    return torch.tensor(number, dtype=torch.float64).to(getattr(torch, name))
 
 
 @dataclass(frozen=True)
@@ -147,13 +180,14 @@ def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, caption
 def float_bits(value: float, dtype: str | torch.dtype) -> FloatBits:
     """``float_bits(0.1, "bfloat16")``: what ``dtype`` stores for ``value``, and its bits."""
     number, name = _as_float(value), _format_name(dtype)
-    stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, name))
+    stored = _stored(number, name)
     width = torch.finfo(stored.dtype).bits
     # view() reinterprets the same bytes as a signed integer; the mask turns it into the unsigned pattern.
     pattern = format(stored.view(_INT_OF_WIDTH[width]).item() & (2**width - 1), f"0{width}b")
-    exponent_bits, _ = _field_widths(stored.dtype)
+    exponent_bits, mantissa_bits = _field_widths(name)
     return FloatBits(value=number, format=name, stored=stored.item(), sign=pattern[0],
-                     exponent=pattern[1:1 + exponent_bits], mantissa=pattern[1 + exponent_bits:])
+                     exponent=pattern[1:1 + exponent_bits],
+                     mantissa=pattern[1 + exponent_bits:1 + exponent_bits + mantissa_bits])
 
 
 @dataclass(frozen=True)
@@ -176,14 +210,14 @@ class FormatComparison:
 
 
 def compare_formats(value: float) -> FormatComparison:
-    """``compare_formats(0.1)``: how float32, bfloat16 and float16 each store ``value``."""
+    """``compare_formats(0.1)``: how float32, TF32, bfloat16 and float16 each store ``value``."""
     number = _as_float(value)
     return FormatComparison(number, tuple(float_bits(number, name) for name in FORMATS))
 
 
 @dataclass(frozen=True)
 class FormatRange:
-    """What one format can hold, from ``torch.finfo``."""
+    """What one format can hold, from ``torch.finfo`` (TF32, which has none, from its field widths)."""
 
     format: str
     max_finite: float
@@ -215,17 +249,22 @@ class FormatRanges:
 def format_ranges() -> FormatRanges:
     """``format_ranges()["float16"].max_finite`` is 65504.0: each format's limits, from ``torch.finfo``."""
     def limits(name: str) -> FormatRange:
+        exponent, mantissa = _field_widths(name)
+        # As finfo.resolution reports it: a mantissa of m bits keeps floor(m * log10(2)) decimal digits.
+        digits = math.floor(mantissa * math.log10(2))
+        if name == "tfloat32":  # float32's exponent range with a shorter mantissa
+            largest = (2 - 2.0**-mantissa) * 2.0 ** (2 ** (exponent - 1) - 1)
+            return FormatRange(name, largest, torch.finfo(torch.float32).smallest_normal, 2.0**-mantissa, digits)
         info = torch.finfo(getattr(torch, name))
-        # finfo.resolution is 10**-digits, the decimal precision numpy and torch both report.
-        return FormatRange(name, info.max, info.smallest_normal, info.eps, round(-math.log10(info.resolution)))
+        return FormatRange(name, info.max, info.smallest_normal, info.eps, digits)
     return FormatRanges(tuple(limits(name) for name in FORMATS))
 
 
 def bit_layout_figure(value: float) -> Figure:
     """``bit_layout_figure(0.1)``: one row per format, one box per bit, coloured by field.
 
-    Rows start at the most significant bit, so float32 and bfloat16 line up: bfloat16 is
-    float32's top 16 bits (rounded), the same exponent with a shorter mantissa.
+    Rows start at the most significant bit, so float32, TF32 and bfloat16 line up: TF32 is float32's
+    top 19 bits and bfloat16 its top 16 (rounded), the same exponent with a shorter mantissa.
     """
     comparison = compare_formats(value)
     results = comparison.results
@@ -247,6 +286,7 @@ def bit_layout_figure(value: float) -> Figure:
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.set_frame_on(False)
     figure.text(0.01, 0.005, f"bits read from torch tensors with tensor.view(int), torch {torch.__version__}; "
-                "converted from float64 (torch rounds through float32), ties to even", fontsize=7, color="#555555")
+                "converted from float64 (torch rounds through float32), ties to even; TF32 is float32 rounded "
+                "to 10 mantissa bits here (tensor cores may round differently)", fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.04, 1, 1))
     return figure

@@ -8,7 +8,8 @@
 Both give the same distribution of training inputs: resize to 36 px, random 32 px crop,
 random horizontal flip, scale to [-1, 1]. The PIL path does it image by image in Python,
 decoding every JPEG every epoch; the cached path decodes and resizes each image once (kept
-in a file beside the dataset), then crops and flips a whole batch with a few tensor ops.
+in a file beside the dataset), then crops and flips a whole batch with a few tensor ops, on
+whichever device holds the cache (``cache.to("cuda")``: the GPU augments its own batches).
 """
 from __future__ import annotations
 
@@ -70,20 +71,28 @@ class CachedImages:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def to(self, device: str | torch.device) -> CachedImages:
+        """The same images and labels on ``device`` (19 MB for 5000 images): batches are then cut and augmented there."""
+        moved = object.__new__(CachedImages)
+        moved.images, moved.labels = self.images.to(device), self.labels.to(device)
+        return moved
+
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Crop each image of a batch at its own random offset to 32x32 and flip half of them.
 
     One ``gather`` over the flattened pixels does every image's crop and flip at once: three
-    times faster on a CPU than indexing with four broadcast index tensors.
+    times faster on a CPU than indexing with four broadcast index tensors. The offsets are drawn
+    from ``generator`` (a CPU one: the same draws on every device) and sent to the images' device.
     """
     n, channels, height, width = images.shape
-    top = torch.randint(0, height - CROP + 1, (n, 1, 1), generator=generator)
-    left = torch.randint(0, width - CROP + 1, (n, 1, 1), generator=generator)
-    flip = torch.rand(n, generator=generator) < 0.5
-    columns = torch.arange(CROP).view(1, 1, CROP)
+    device = images.device
+    top = torch.randint(0, height - CROP + 1, (n, 1, 1), generator=generator).to(device, non_blocking=True)
+    left = torch.randint(0, width - CROP + 1, (n, 1, 1), generator=generator).to(device, non_blocking=True)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(device, non_blocking=True)
+    columns = torch.arange(CROP, device=device).view(1, 1, CROP)
     columns = torch.where(flip.view(n, 1, 1), CROP - 1 - columns, columns) + left
-    rows = torch.arange(CROP).view(1, CROP, 1) + top
+    rows = torch.arange(CROP, device=device).view(1, CROP, 1) + top
     pixel_index = (rows * width + columns).view(n, 1, CROP * CROP).expand(n, channels, CROP * CROP)
     return images.reshape(n, channels, height * width).gather(2, pixel_index).view(n, channels, CROP, CROP)
 
@@ -101,12 +110,17 @@ def to_model_input(images: torch.Tensor) -> torch.Tensor:
 
 def cached_batches(cache: CachedImages, *, batch_size: int, seed: int = 0,
                    pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One shuffled epoch of ``(uint8 images [B, 3, 32, 32], labels)``, augmented a batch at a time."""
+    """One shuffled epoch of ``(uint8 images [B, 3, 32, 32], labels)``, augmented a batch at a time.
+
+    The batches are on the cache's device. ``index_select`` copies whole images: on a CPU it is
+    about 20x faster than ``images[index]``, which indexes uint8 tensors byte by byte.
+    """
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(cache), generator=generator)
+    order = torch.randperm(len(cache), generator=generator).to(cache.images.device)
     for start in range(0, len(order), batch_size):
         index = order[start:start + batch_size]
-        images, labels = random_crop_flip(cache.images[index], generator), cache.labels[index]
-        if pin_memory:
+        images = random_crop_flip(cache.images.index_select(0, index), generator)
+        labels = cache.labels.index_select(0, index)
+        if pin_memory and images.device.type == "cpu":  # a cache on the GPU needs no copy to get there
             images, labels = images.pin_memory(), labels.pin_memory()
         yield images, labels

@@ -6,15 +6,18 @@
     >>> trace_timeline(profile_training(NAIVE, steps=8))     # the profiler's trace: host and device rows, gaps
     >>> throughput_curve([32, 64, 128], results, knob="batch size")
     >>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
+    >>> ceiling_chart(measure_against_ceiling(pipelines, step, ceiling_batches))   # samples/s, ceiling as a line
+    >>> diagnosis_shares({kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}, caption="measured on ...")
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from perflab.diagnose import Diagnosis
 from perflab.memory_budget import COMPONENTS
 from perflab.profile import ProfiledRun, Span
 from perflab.train_result import PHASES, TrainResult
@@ -131,6 +134,52 @@ def memory_curve(values: Sequence, memories: Sequence, *, knob: str, caption: st
     ax.set_ylabel("memory (MB)")
     ax.set_title(title or f"Training memory against {knob}")
     ax.legend(loc="upper left", fontsize=8)
+    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+def ceiling_chart(measured, *, title: str = "Input pipelines against their compute ceiling") -> Figure:
+    """Samples/s of each pipeline of a ``perflab.ceiling.CeilingMeasurement``, the ceiling as a dashed line."""
+    pipelines, ceiling = measured.names, measured.samples_per_s("ceiling")
+    rates = [measured.samples_per_s(name) for name in pipelines]
+    figure, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(pipelines) + 2), 4))
+    ax.bar(range(len(pipelines)), rates, color="#1f77b4")
+    ax.axhline(ceiling, color="#d62728", linestyle="--", label=f"compute ceiling: {ceiling:,.0f} samples/s")
+    for index, (name, rate) in enumerate(zip(pipelines, rates)):
+        ax.annotate(f"{measured.share(name):.0%}", (index, rate), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(pipelines)), pipelines, fontsize=8)
+    ax.set_ylabel("training throughput (samples/s)")
+    ax.set_ylim(0, 1.15 * max(ceiling, *rates))
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    figure.text(0.01, 0.005, f"{measured.caption}; labels: share of the ceiling", fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+SHARE_COLOURS = {"data": "#d62728", "compute": "#1f77b4", "memory": "#ff7f0e", "overhead": "#7f7f7f"}
+
+
+def diagnosis_shares(diagnoses: Mapping[str, Diagnosis], *, caption: str,
+                     title: str = "Where the steps' time went, and the kind of run it makes") -> Figure:
+    """One bar per run: its data, compute, memory and overhead shares, labelled with the kind they give."""
+    names = list(diagnoses)
+    figure, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(names)))
+    left = [0.0] * len(names)
+    for part, colour in SHARE_COLOURS.items():
+        widths = [100 * diagnoses[name].shares[part] for name in names]
+        ax.barh(range(len(names)), widths, left=left, color=colour, label=part)
+        for row, (start, width) in enumerate(zip(left, widths)):
+            if width >= 7:  # room for the label inside the bar
+                ax.text(start + width / 2, row, f"{width:.0f}%", ha="center", va="center", fontsize=8, color="white")
+        left = [start + width for start, width in zip(left, widths)]
+    ax.set_yticks(range(len(names)), [f"{name}\ndiagnosed {diagnoses[name].kind}" for name in names], fontsize=8)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of the profiled steps' time (%)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.03, 1, 1))
     return figure

@@ -3,6 +3,7 @@
     >>> from perflab.profile import profile_training
     >>> run = profile_training(NAIVE, steps=8)
     >>> run.table(row_limit=10)            # operators by self time, torch.profiler's own table
+    >>> profile_training(NAIVE, steps=4, profile_memory=True).table(sort_by="self_cpu_memory_usage")
     >>> run.export("naive_trace.json")     # opens in https://ui.perfetto.dev or chrome://tracing
     >>> perflab.plots.trace_timeline(run)  # the phases on the host and the kernels on the device, gaps included
 
@@ -67,11 +68,15 @@ class ProfiledRun:
 
 
 def profile_training(config: TrainConfig, workload: Workload = Workload(), *, steps: int = 8,
-                     device: str | torch.device | None = None) -> ProfiledRun:
-    """Profile the first ``steps`` steps of ``train(config, workload)``, after a two-step warm-up run."""
+                     device: str | torch.device | None = None, profile_memory: bool = False) -> ProfiledRun:
+    """Profile the first ``steps`` steps of ``train(config, workload)``, after a two-step warm-up run.
+
+    ``profile_memory=True`` also records every allocation and free, so the table can sort by
+    ``self_cpu_memory_usage`` (or ``self_cuda_memory_usage``), at the price of a slower profile.
+    """
     device = pick_device(device)
     train(config, workload, device=device, progress=False, max_steps=2)  # caches, allocator, kernels
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
+    with profile(activities=activities, profile_memory=profile_memory) as profiler:
         result = train(config, workload, device=device, progress=False, max_steps=steps)
     return ProfiledRun(result, profiler)

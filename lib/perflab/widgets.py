@@ -2,7 +2,7 @@
 
     >>> from perflab.widgets import data_loading_explorer, float_format_explorer, training_memory_explorer
     >>> data_loading_explorer()      # workers, batch size, pinned memory, caching -> measured samples/s
-    >>> float_format_explorer()      # a number -> its fp32 / bf16 / fp16 bits, rounding error, overflow
+    >>> float_format_explorer()      # a number -> its fp32 / TF32 / bf16 / fp16 bits, rounding error, overflow
     >>> training_memory_explorer()   # GPT size, batch, sequence, precision... -> where training memory goes
 
 Each is an ``ipywidgets`` box whose plain-text form is its current result: where widgets cannot

@@ -1,0 +1,149 @@
+"""Which dtype ``torch.autocast`` gives each operation, read off the outputs of real calls.
+
+    >>> from perflab.amp import autocast_dtypes
+    >>> table = autocast_dtypes("cpu", torch.bfloat16)
+    >>> table["linear"].effect, table["cross_entropy"].effect, table["relu"].effect
+    ('lowered', 'raised', 'unchanged')
+    >>> table                      # in a notebook: one row per operation, what autocast did to it
+
+Autocast keeps lists of operations per device (the autocast op reference,
+https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference): matmuls and convolutions
+run in the low precision, losses, ``exp``, ``log`` and norms in float32, everything else in the
+dtype of its inputs (the widest of them, for operations with several). The lists differ between
+CUDA and the CPU and between torch versions, so this module measures them instead of copying them.
+Each operation runs three times on a small tensor:
+
+- float32 input under autocast: a low-precision output means autocast *lowered* it;
+- low-precision input under autocast, and the same without autocast: float32 under autocast
+  where plain PyTorch gives low precision means autocast *raised* it;
+- otherwise autocast left it *unchanged*: the output follows the inputs as usual.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from perflab.device import pick_device
+
+LOW_PRECISIONS = (torch.bfloat16, torch.float16)
+SIZE = 16  # operations run on SIZE x SIZE tensors: enough for every op, fast even in fallback kernels
+
+
+def _targets(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+
+
+# Representative operations of a training step; each takes one square tensor in the dtype under test.
+DEFAULT_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "matmul (x @ x)": lambda x: x @ x,
+    "linear": lambda x: F.linear(x, x),
+    "conv2d": lambda x: F.conv2d(x[None, None], x[None, None, :3, :3]),
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "add (x + float32 tensor)": lambda x: x + torch.ones(x.shape, device=x.device),
+    "exp": torch.exp,
+    "sum": torch.sum,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "log_softmax": lambda x: torch.log_softmax(x, dim=-1),
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
+    "mse_loss": lambda x: F.mse_loss(x, torch.zeros_like(x)),
+    "cross_entropy": lambda x: F.cross_entropy(x, _targets(x)),
+}
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class AutocastRow:
+    """The output dtype of one operation, three ways."""
+
+    op: str
+    from_float32: torch.dtype  # float32 input, autocast on
+    from_low: torch.dtype  # low-precision input, autocast on
+    without_autocast: torch.dtype  # low-precision input, autocast off
+
+    @property
+    def effect(self) -> str:
+        if self.from_float32 in LOW_PRECISIONS:
+            return "lowered"
+        if self.from_low == torch.float32 and self.without_autocast != torch.float32:
+            return "raised"
+        return "unchanged"
+
+    def _cells(self) -> tuple[str, ...]:
+        return self.op, _short(self.from_float32), _short(self.from_low), _short(self.without_autocast), self.effect
+
+
+_HEADER = ("op", "float32 in, autocast", "low in, autocast", "low in, no autocast", "autocast")
+
+
+@dataclass(frozen=True)
+class AutocastReport:
+    """What autocast to ``dtype`` did to each operation on ``device``."""
+
+    device: str
+    dtype: torch.dtype
+    rows: tuple[AutocastRow, ...]
+
+    def __getitem__(self, op: str) -> AutocastRow:
+        for row in self.rows:
+            if row.op == op or row.op.split(" (")[0] == op:
+                return row
+        raise KeyError(f"{op!r} was not measured; measured: {', '.join(row.op for row in self.rows)}")
+
+    def with_effect(self, effect: str) -> list[str]:
+        """The operations autocast ``"lowered"``, ``"raised"`` or left ``"unchanged"``."""
+        return [row.op for row in self.rows if row.effect == effect]
+
+    @property
+    def _caption(self) -> str:
+        autocast = f"torch.autocast(device_type={self.device!r}, dtype={self.dtype})"
+        return f"{autocast}, measured with torch {torch.__version__}"
+
+    def __repr__(self) -> str:
+        table = [_HEADER, *(row._cells() for row in self.rows)]
+        widths = [max(len(line[column]) for line in table) for column in range(len(_HEADER))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+        return "\n".join([f"AutocastReport: {self._caption}", *lines])
+
+    def _repr_html_(self) -> str:
+        colours = {"lowered": "#b8e2b0", "raised": "#f4a3a3", "unchanged": "#ffffff"}
+        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in _HEADER)
+        body = "".join(
+            f'<tr style="background:{colours[row.effect]};color:#000">'
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row._cells()) + "</tr>"
+            for row in self.rows
+        )
+        return f"<table><caption>{html.escape(self._caption)}</caption><tr>{head}</tr>{body}</table>"
+
+
+def autocast_dtypes(
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    ops: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+) -> AutocastReport:
+    """Run each op (default: :data:`DEFAULT_OPS`) with and without autocast and report the output dtypes.
+
+    ``dtype`` defaults to float16 on CUDA and bfloat16 elsewhere; pass your own ``ops`` (name ->
+    function of one square tensor) to check an operation that the defaults leave out.
+    """
+    device = pick_device(device)
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"torch.autocast does not support device type {device.type!r}")
+    dtype = dtype if dtype is not None else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+    if dtype not in LOW_PRECISIONS:
+        raise ValueError(f"autocast lowers to bfloat16 or float16, got {dtype}")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(SIZE, SIZE, generator=generator).to(device)
+    rows = []
+    for name, op in (ops if ops is not None else DEFAULT_OPS).items():
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            from_float32, from_low = op(x).dtype, op(x.to(dtype)).dtype
+        rows.append(AutocastRow(name, from_float32, from_low, op(x.to(dtype)).dtype))
+    return AutocastReport(str(device), dtype, tuple(rows))

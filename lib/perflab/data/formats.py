@@ -1,0 +1,81 @@
+"""The same images stored three ways: JPEG (as generated), PNG, and one raw uint8 array (``.npy``).
+
+    >>> from perflab.data.formats import export_formats
+    >>> stored = export_formats(data.train, count=256)      # written once, beside the dataset
+    >>> stored.jpeg[0], stored.png[0], stored.array          # where each format's files are
+    >>> stored.bytes_on_disk                                 # {'JPEG': 553984, 'PNG': 2731008, 'raw .npy': 3145856}
+
+JPEG is lossy and small; decoding it means entropy decoding and an inverse DCT per 8x8 block.
+PNG is lossless and larger; decoding it means inflating zlib streams and undoing the filters.
+The raw array needs no decoding, only its bytes: ``np.load(path, mmap_mode="r")`` maps the
+file, and image ``i`` is the slice ``array[i]``. Which one wins depends on what is scarcer:
+CPU time to decode (JPEG loses) or bytes to read from disk or network (raw arrays lose).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+from perflab.data.images import _build_once
+
+
+@dataclass(frozen=True)
+class StoredImages:
+    """``count`` images of a split as JPEG files, PNG files and one ``uint8 [count, H, W, 3]`` array."""
+
+    folder: Path
+    count: int
+
+    @cached_property  # a list built once: reading image i should not cost a list of every path
+    def jpeg(self) -> list[Path]:
+        return [self.folder / "jpeg" / f"{i:05d}.jpg" for i in range(self.count)]
+
+    @cached_property
+    def png(self) -> list[Path]:
+        return [self.folder / "png" / f"{i:05d}.png" for i in range(self.count)]
+
+    @property
+    def array(self) -> Path:
+        return self.folder / "images.npy"
+
+    @property
+    def bytes_on_disk(self) -> dict[str, int]:
+        return {"JPEG": sum(p.stat().st_size for p in self.jpeg), "PNG": sum(p.stat().st_size for p in self.png),
+                "raw .npy": self.array.stat().st_size}
+
+
+def export_formats(split_dir: str | os.PathLike, *, count: int = 256) -> StoredImages:
+    """``count`` images of an ``ImageFolder`` split, spread over its classes, in the three formats (cached).
+
+    The JPEG files are copies of the originals, byte for byte; the PNG files and the array hold
+    the pixels those JPEGs decode to, so every format stores the same image.
+    """
+    split_dir = Path(split_dir)
+    samples = ImageFolder(split_dir).samples
+    if not (isinstance(count, int) and 1 <= count <= len(samples)):
+        raise ValueError(f"count must be an int from 1 to {len(samples)}, got {count!r}")
+    chosen = [samples[i * len(samples) // count][0] for i in range(count)]
+    folder = split_dir.parent / f".formats-{split_dir.name}-{count}"
+
+    def build(partial: Path) -> dict:
+        (partial / "jpeg").mkdir()
+        (partial / "png").mkdir()
+        pixels = []
+        for index, path in enumerate(chosen):
+            shutil.copyfile(path, partial / "jpeg" / f"{index:05d}.jpg")
+            with Image.open(path) as image:
+                image = image.convert("RGB")
+                image.save(partial / "png" / f"{index:05d}.png")
+                pixels.append(np.asarray(image))
+        np.save(partial / "images.npy", np.stack(pixels))
+        return {"name": folder.name, "count": count}
+
+    _build_once(folder, {"source": str(split_dir.resolve()), "count": count}, build)
+    return StoredImages(folder, count)
