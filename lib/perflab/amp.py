@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from perflab.device import pick_device
+from perflab.tables import text_table
 
 LOW_PRECISIONS = (torch.bfloat16, torch.float16)
 SIZE = 16  # operations run on SIZE x SIZE tensors: enough for every op, fast even in fallback kernels
@@ -107,10 +108,7 @@ class AutocastReport:
         return f"{autocast}, measured with torch {torch.__version__}"
 
     def __repr__(self) -> str:
-        table = [_HEADER, *(row._cells() for row in self.rows)]
-        widths = [max(len(line[column]) for line in table) for column in range(len(_HEADER))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
-        return "\n".join([f"AutocastReport: {self._caption}", *lines])
+        return f"AutocastReport: {self._caption}\n" + text_table(_HEADER, [row._cells() for row in self.rows])
 
     def _repr_html_(self) -> str:
         colours = {"lowered": "#b8e2b0", "raised": "#f4a3a3", "unchanged": "#ffffff"}

@@ -31,6 +31,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from perflab.tables import text_table
+
 FORMATS = ("float32", "tfloat32", "bfloat16", "float16")
 ALIASES = {"fp32": "float32", "tf32": "tfloat32", "tensorfloat32": "tfloat32", "bf16": "bfloat16",
            "fp16": "float16", "half": "float16"}
@@ -164,12 +166,6 @@ _BITS_HEADER = ("format", "stored value", "bits (sign exponent mantissa)", "rela
 _RANGES_HEADER = ("format", "max finite", "smallest normal", "epsilon", "decimal digits")
 
 
-def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-                     for row in [header, *rows])
-
-
 def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, caption: str) -> str:
     # Cells are numbers, format names and the bit spans built above: nothing needs escaping.
     head = "".join(f"<th>{cell}</th>" for cell in header)
@@ -202,7 +198,7 @@ class FormatComparison:
 
     def __repr__(self) -> str:
         rows = [result._row(" ".join(bits for _, bits in result.fields)) for result in self.results]
-        return f"FormatComparison({self.value!r})\n" + _text_table(_BITS_HEADER, rows)
+        return f"FormatComparison({self.value!r})\n" + text_table(_BITS_HEADER, rows)
 
     def _repr_html_(self) -> str:
         return _html_table(_BITS_HEADER, [result._row(result._bits_html()) for result in self.results],
@@ -240,7 +236,7 @@ class FormatRanges:
                 for r in self.ranges]
 
     def __repr__(self) -> str:
-        return "FormatRanges\n" + _text_table(_RANGES_HEADER, self._rows())
+        return "FormatRanges\n" + text_table(_RANGES_HEADER, self._rows())
 
     def _repr_html_(self) -> str:
         return _html_table(_RANGES_HEADER, self._rows(), caption=f"from torch.finfo, torch {torch.__version__}")

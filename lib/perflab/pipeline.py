@@ -13,6 +13,7 @@ whichever device holds the cache (``cache.to("cuda")``: the GPU augments its own
 """
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Iterator
@@ -73,7 +74,7 @@ class CachedImages:
 
     def to(self, device: str | torch.device) -> CachedImages:
         """The same images and labels on ``device`` (19 MB for 5000 images): batches are then cut and augmented there."""
-        moved = object.__new__(CachedImages)
+        moved = copy.copy(self)  # no second decode or load: only the tensors move
         moved.images, moved.labels = self.images.to(device), self.labels.to(device)
         return moved
 
