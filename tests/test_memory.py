@@ -38,3 +38,33 @@ def test_what_a_discarded_output_saved_is_not_counted():
         kept = (x * 2 @ weight).sum()
     assert saved.count == 1  # the scaled input only: the weight is not needed for the gradient of weight
     assert saved.bytes == 10 * 100 * 4
+
+
+def test_peak_memory_counts_what_the_block_held_at_once():
+    from perflab.memory import peak_memory
+
+    x = torch.randn(500, 500)  # made before the block: not counted
+    with peak_memory() as peak:
+        square = x @ x  # 1 MB
+        scratch = torch.empty(2_500_000)  # 10 MB, freed below
+        del scratch
+        flat = square.view(-1)  # a view: no new memory
+        square.add_(1)  # in place: no new memory
+    assert peak.bytes == 500 * 500 * 4 + 2_500_000 * 4
+    assert peak.held_bytes == 500 * 500 * 4
+    assert flat.numel() == 500 * 500 and "MB at peak" in repr(peak)
+
+
+def test_peak_memory_sees_the_attention_score_matrix_grow_quadratically():
+    from perflab.memory import peak_memory
+    from perflab.models.gpt import naive_attention
+
+    peaks = []
+    for seq_len in (256, 512):
+        q = k = v = torch.randn(1, 2, seq_len, 16)
+        with peak_memory() as peak:
+            naive_attention(q, k, v, causal=False)
+        peaks.append(peak.bytes)
+    score_bytes = 2 * 512 * 512 * 4
+    assert peaks[1] >= score_bytes
+    assert 3.5 < peaks[1] / peaks[0] < 4.5  # T doubled, the T x T scores dominate

@@ -1,10 +1,14 @@
 """Memory meters that work on every device.
 
-    >>> from perflab.memory import saved_tensors
+    >>> from perflab.memory import peak_memory, saved_tensors
     >>> with saved_tensors() as saved:
     ...     loss = model(images).sum()      # forward only: what autograd keeps for backward
     >>> saved
     SavedTensors(2.10 MB in 31 tensors kept for backward)
+    >>> with peak_memory() as peak:
+    ...     out = naive_attention(q, k, v)  # the most memory the block's tensors held at once
+    >>> peak
+    PeakMemory(33.55 MB at peak, 0.52 MB still held at the end)
 
 On a GPU ``torch.cuda.max_memory_allocated`` also counts the caching allocator's view; the
 saved-tensor count is the part of it that activation checkpointing shrinks, on any device.
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @dataclass
@@ -63,3 +69,77 @@ def saved_tensors() -> Iterator[SavedTensors]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield saved
     saved.storages = {address: nbytes for tensor, address, nbytes in packed if tensor() is not None}
+
+
+@dataclass
+class PeakMemory:
+    """The most bytes the tensors made inside a block held at once, and what they still hold at its end.
+
+    ``allocator_peak_bytes`` is CUDA's own view (``torch.cuda.max_memory_allocated`` above the
+    start), which also counts kernels' workspaces and the allocator's rounding; None elsewhere.
+    """
+
+    bytes: int = 0
+    held_bytes: int = 0
+    allocator_peak_bytes: int | None = None
+
+    def __repr__(self) -> str:
+        text = f"PeakMemory({self.bytes / 1e6:.2f} MB at peak, {self.held_bytes / 1e6:.2f} MB still held at the end"
+        if self.allocator_peak_bytes is not None:
+            text += f"; CUDA allocator peak {self.allocator_peak_bytes / 1e6:.2f} MB"
+        return text + ")"
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Sees every op's outputs below autograd and counts each new storage until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage address -> bytes, for storages made in the block
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def _release(self, address: int) -> None:
+        self.live_bytes -= self.live.pop(address, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place op returns storage an input already has: no new memory.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or address in inputs or address in self.live:
+                continue
+            self.live[address] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(storage, self._release, address)
+        return out
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device | str | None = None) -> Iterator[PeakMemory]:
+    """Measure the peak memory of the tensors a block creates, on any device, forward or backward.
+
+    Counted op by op, as PyTorch's own memory tracker does it: each operator's new output
+    storages from the moment they are made until they are freed. Tensors that existed before
+    the block are not counted. What a fused kernel allocates inside itself and frees before it
+    returns (a workspace) is invisible here; on CUDA ``allocator_peak_bytes`` sees it too.
+    Pass ``device="cuda"`` to also read the CUDA allocator's peak.
+    """
+    result = PeakMemory()
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    tracker = _StorageTracker()
+    with tracker:
+        yield result
+    result.bytes, result.held_bytes = tracker.peak_bytes, tracker.live_bytes
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        result.allocator_peak_bytes = torch.cuda.max_memory_allocated(device) - start
