@@ -6,10 +6,11 @@
     >>> perflab.doctor()
 
 Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
-``profile``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``floats``, ``amp``, ``checkpoint``; the course's
-workloads in ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments
-in ``ceiling``, ``prefetch`` and ``allocator``; pictures in ``plots`` and
-``report``; explorers in ``widgets``; the capstone's benchmark and grader in ``capstone``. The most used
+``profile``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``tradeoff``, ``floats``,
+``amp``, ``checkpoint``, ``compiling``, ``distributed``, ``attention``; the course's workloads in
+``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
+``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
+capstone's benchmark and grader in ``capstone``. The most used
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
 """

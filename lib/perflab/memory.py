@@ -90,6 +90,16 @@ class PeakMemory:
         return text + ")"
 
 
+def new_tensors(args, kwargs, out) -> list[torch.Tensor]:
+    """The tensors in an operator's output ``out`` that are new memory, for a ``TorchDispatchMode``.
+
+    A view or an in-place op returns storage one of its inputs already has: that is no new memory.
+    """
+    inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    return [t for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+
+
 class _StorageTracker(TorchDispatchMode):
     """Sees every op's outputs below autograd and counts each new storage until it is freed."""
 
@@ -104,14 +114,10 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # A view or an in-place op returns storage an input already has: no new memory.
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for tensor in new_tensors(args, kwargs, out):
             storage = tensor.untyped_storage()
             address, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or address in inputs or address in self.live:
+            if nbytes == 0 or address in self.live:
                 continue
             self.live[address] = nbytes
             self.live_bytes += nbytes

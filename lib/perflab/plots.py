@@ -8,6 +8,8 @@
     >>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
     >>> ceiling_chart(measure_against_ceiling(pipelines, step, ceiling_batches))   # samples/s, ceiling as a line
     >>> diagnosis_shares({kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}, caption="measured on ...")
+    >>> tradeoff_curve(measure_tradeoff(variants, parameters=model.parameters()), caption="GPT, 6 blocks, on ...")
+    >>> break_even_chart({"chain": compile_cost(eager, compiled)}, caption="measured on ...")  # when compiling pays
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from perflab.bench import format_seconds
 from perflab.diagnose import Diagnosis
 from perflab.memory_budget import COMPONENTS
 from perflab.profile import ProfiledRun, Span
@@ -182,4 +185,58 @@ def diagnosis_shares(diagnoses: Mapping[str, Diagnosis], *, caption: str,
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+def tradeoff_curve(tradeoff, *, caption: str, title: str = "Compute against memory, one point per variant") -> Figure:
+    """A ``perflab.tradeoff.Tradeoff``: each variant's time relative to the first against its memory."""
+    figure, ax = plt.subplots(figsize=(8, 4.2))
+    relative = [tradeoff.relative_time(v.label) for v in tradeoff.variants]
+    ax.plot([v.peak_bytes / 1e6 for v in tradeoff.variants], relative, marker="o", label="peak of forward + backward")
+    ax.plot([v.saved_bytes / 1e6 for v in tradeoff.variants], relative, marker="o", markerfacecolor="none",
+            linestyle=":", label="activations kept for backward")
+    for variant, time in zip(tradeoff.variants, relative):
+        ax.annotate(variant.label, (variant.peak_bytes / 1e6, time), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.axhline(1.0, color="#7f7f7f", linewidth=0.8)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("memory (MB)")
+    ax.set_ylabel(f"step time relative to '{tradeoff.variants[0].label}'")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    figure.text(0.01, 0.005, f"{tradeoff.caption}; {caption}", fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    return figure
+
+
+def break_even_chart(costs: Mapping, *, caption: str,
+                     title: str = "Eager against compiled: total time as the calls add up") -> Figure:
+    """One panel per ``perflab.compiling.CompileCost``: total seconds after n calls, eager and compiled.
+
+    The compiled line starts at the compile time and rises more slowly when compiling pays; a dotted
+    line marks the call where the two totals meet.
+    """
+    figure, axes = plt.subplots(1, len(costs), figsize=(4.8 * len(costs), 3.8), squeeze=False)
+    for ax, (name, cost) in zip(axes[0], costs.items()):
+        eager, compiled = cost.comparison.baseline.median, cost.comparison.candidate.median
+        # Past the break-even when there is one, else far enough for eager to spend the compile time three times.
+        horizon = 2 * cost.break_even_calls if cost.pays_off else max(3 * cost.compile_seconds / eager, 10)
+        ax.plot([0, horizon], [0, eager * horizon], color="#7f7f7f", label=f"eager: {format_seconds(eager)} per call")
+        ax.plot([0, horizon], [cost.compile_seconds, cost.compile_seconds + compiled * horizon], color="#1f77b4",
+                label=f"compiled: {format_seconds(cost.compile_seconds)}, then {format_seconds(compiled)} per call")
+        if cost.pays_off:
+            ax.axvline(cost.break_even_calls, color="#2ca02c", linestyle=":")
+            ax.annotate(f"breaks even after {cost.break_even_calls:,} calls", (cost.break_even_calls, 0),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8, color="#2ca02c")
+        else:
+            ax.annotate("no measurable saving per call:\nnever breaks even", (0.97, 0.05), xycoords="axes fraction",
+                        ha="right", fontsize=8, color="#d62728")
+        ax.set_xlim(0, horizon)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("calls (steps)")
+        ax.set_ylabel("total time (s)")
+        ax.set_title(name, fontsize=10)
+        ax.legend(loc="upper left", fontsize=7)
+    figure.suptitle(title)
+    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.04, 1, 1))
     return figure

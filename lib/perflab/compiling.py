@@ -1,0 +1,231 @@
+"""What ``torch.compile`` made of a function: its graphs and breaks, its kernels, and whether compiling paid.
+
+    >>> from perflab.compiling import compile_cost, generated_code, graph_breaks
+    >>> graph_breaks(block, x)                       # Dynamo only: traces, generates no code
+    GraphBreaks(2 graphs, 1 break, 9 operations)
+      1. forward, line 4: Unsupported Tensor.item() call with capture_scalar_outputs=False
+           peak = y.abs().amax().item()
+    >>> compiled = torch.compile(block)
+    >>> compile_cost(lambda: block(x), lambda: compiled(x))      # the first call compiles, then both are timed
+    CompileCost(compiled vs eager: first call 9.1 s (1 graph), then 4.70 ms vs 14.3 ms per call (3.04x); ...)
+    >>> generated_code(compiled, x)                  # compiles again and keeps the code Inductor wrote
+    GeneratedCode(1 module written in 88 ms; 1 generated kernel)
+              runs, in order
+    module 1  cpp_fused_add_gelu_mul_sigmoid_0
+
+``graph_breaks`` and ``generated_code`` rely on private functions: ``torch._dynamo.explain``,
+which PyTorch's troubleshooting documentation uses, and ``torch._inductor.utils.run_and_get_code``,
+which its own tests use. Both reset Dynamo first, which drops every compiled function's cached
+code (the next call compiles again, helped by Inductor's on-disk cache).
+"""
+from __future__ import annotations
+
+import html
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from perflab.bench import NEGLIGIBLE_CHANGE, Comparison, compare, format_seconds, median_confidence_interval
+from perflab.device import pick_device, synchronize
+from perflab.tables import text_table
+
+# Dynamo names the code that resumes after a break "torch_dynamo_resume_in_<function>_at_<line>".
+_RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+?)_at_\d+")
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """One place where Dynamo stopped the graph and ran Python instead."""
+
+    reason: str    # Dynamo's reason, its first line
+    function: str  # the user function it happened in
+    lineno: int
+    line: str      # that line of source
+
+    def __str__(self) -> str:
+        return f"{self.function}, line {self.lineno}: {self.reason}\n     {self.line}"
+
+
+@dataclass(frozen=True)
+class GraphBreaks:
+    """How Dynamo split one call of a function into graphs, and why."""
+
+    graphs: int
+    operations: int  # tensor operations captured in all graphs together
+    breaks: tuple[GraphBreak, ...]
+
+    def __repr__(self) -> str:
+        lines = [f"GraphBreaks({_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'break')}, "
+                 f"{_plural(self.operations, 'operation')})"]
+        lines += [f"  {index}. {found}" for index, found in enumerate(self.breaks, 1)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{index}</td><td>{html.escape(found.function)}</td><td>{found.lineno}</td>"
+                       f"<td><code>{html.escape(found.line)}</code></td><td>{html.escape(found.reason)}</td></tr>"
+                       for index, found in enumerate(self.breaks, 1))
+        table = ("<table><tr><th>#</th><th>function</th><th>line</th><th>code</th><th>reason</th></tr>"
+                 f"{rows}</table>") if self.breaks else ""
+        return (f"<p><b>{_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'graph break')}</b>, "
+                f"{_plural(self.operations, 'operation')} captured</p>{table}")
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> GraphBreaks:
+    """Trace ``fn(*args, **kwargs)`` with Dynamo alone (no code is generated) and report its graph breaks."""
+    explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    found = []
+    for reason in explanation.break_reasons:
+        frame = reason.user_stack[-1]
+        resumed = _RESUMED.fullmatch(frame.name)
+        found.append(GraphBreak(reason=reason.reason.strip().splitlines()[0],
+                                function=resumed[1] if resumed else frame.name,
+                                lineno=frame.lineno, line=(frame.line or "").strip()))
+    return GraphBreaks(graphs=explanation.graph_count, operations=explanation.op_count, breaks=tuple(found))
+
+
+def _graphs_compiled() -> int:
+    # Dynamo's own tally of the graphs it has handed to a backend in this process.
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@dataclass(frozen=True)
+class CompileCost:
+    """A compiled function's first call (which compiles) and its steady state against eager."""
+
+    first_call: float        # seconds: tracing, code generation, compiling the kernels, and one run
+    graphs: int              # graphs compiled during the first call
+    comparison: Comparison   # eager (baseline) against compiled (candidate), interleaved, after warmup
+
+    @property
+    def compile_seconds(self) -> float:
+        """What the first call cost beyond an ordinary compiled call."""
+        return max(self.first_call - self.comparison.candidate.median, 0.0)
+
+    @property
+    def saved_per_call(self) -> float:
+        return self.comparison.baseline.median - self.comparison.candidate.median
+
+    @property
+    def pays_off(self) -> bool:
+        """Compiled is faster beyond the measurement's confidence interval and the machine's noise."""
+        low, _ = self.comparison.interval
+        return low > 1 and self.comparison.speedup > 1 + NEGLIGIBLE_CHANGE
+
+    @property
+    def break_even_calls(self) -> float:
+        """Calls after which compiling has saved more than it cost; ``math.inf`` when it saves nothing measurable."""
+        return math.ceil(self.compile_seconds / self.saved_per_call) if self.pays_off else math.inf
+
+    def _summary(self) -> str:
+        eager, compiled = self.comparison.baseline, self.comparison.candidate
+        verdict = (f"pays off after {self.break_even_calls:,} calls" if self.pays_off
+                   else "never pays off: no measurable saving per call")
+        return (f"first call {format_seconds(self.first_call)} ({_plural(self.graphs, 'graph')}), then "
+                f"{format_seconds(compiled.median)} vs {format_seconds(eager.median)} per call "
+                f"({self.comparison.speedup:.2f}x); {verdict}")
+
+    def __repr__(self) -> str:
+        return f"CompileCost({self.comparison.candidate.label} vs {self.comparison.baseline.label}: {self._summary()})"
+
+    def _repr_html_(self) -> str:
+        return f"{self.comparison._repr_html_()}<p>{html.escape(self._summary())}</p>"
+
+
+def compile_cost(
+    eager: Callable[[], object],
+    compiled: Callable[[], object],
+    *,
+    labels: tuple[str, str] = ("eager", "compiled"),
+    device: str | torch.device | None = None,
+    repeats: int = 11,
+    warmup: int = 2,
+) -> CompileCost:
+    """Time ``compiled()``'s first call, which must compile, then compare it with ``eager()``, interleaved.
+
+    ``compiled`` calls a ``torch.compile``d function that has not run on these shapes yet; the
+    first call here is what a training run pays before its first step.
+    """
+    median_confidence_interval([1.0] * repeats)  # too few repeats: fail now, not after compiling
+    device = pick_device(device)
+    before = _graphs_compiled()
+    synchronize(device)
+    start = time.perf_counter()
+    compiled()
+    synchronize(device)
+    first_call = time.perf_counter() - start
+    graphs = _graphs_compiled() - before
+    if graphs == 0:
+        raise ValueError("the first call compiled nothing: the compiled function had already run on these shapes "
+                         "(call torch.compiler.reset() to start afresh)")
+    comparison = compare(eager, compiled, labels=labels, device=device, repeats=repeats, warmup=warmup)
+    return CompileCost(first_call=first_call, graphs=graphs, comparison=comparison)
+
+
+# Inductor defines each kernel as "<name> = async_compile.<kind>(..., '''<source>''' ...)":
+# C++ on a CPU, Triton on a GPU.
+_KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''\n?(.*?)'''", re.DOTALL | re.MULTILINE)
+_LAUNCH = re.compile(r"^\s+(extern_kernels\.\w+|\w+)(?:\.run)?\(", re.MULTILINE)
+
+
+def _call_body(module: str) -> str:
+    """The body of the module's ``call`` function (a method of its runner class, or a plain function)."""
+    lines = module.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line)), None)
+    if start is None:
+        return ""
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+    return "\n".join(body)
+
+
+@dataclass(frozen=True)
+class GeneratedCode:
+    """The Python modules Inductor wrote for one call: one per graph (a training step adds a backward one)."""
+
+    modules: tuple[str, ...]
+    seconds: float  # the call that wrote them
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Generated kernel name -> its source (C++ on a CPU, Triton on a GPU).
+
+        A name that two modules share keeps the last module's source.
+        """
+        return {name: source for module in self.modules for name, source in _KERNEL.findall(module)}
+
+    @property
+    def launches(self) -> list[list[str]]:
+        """For each module, what its ``call`` runs, in order: generated kernels and library calls."""
+        kernels = self.kernels
+        runs = []
+        for module in self.modules:
+            names = _LAUNCH.findall(_call_body(module))
+            runs.append([name for name in names if name in kernels or name.startswith("extern_kernels.")])
+        return runs
+
+    def __repr__(self) -> str:
+        rows = [(f"module {index}", ", ".join(names) or "(nothing)") for index, names in enumerate(self.launches, 1)]
+        return (f"GeneratedCode({_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
+                f"{_plural(len(self.kernels), 'generated kernel')})\n" + text_table(("", "runs, in order"), rows))
+
+
+def generated_code(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> GeneratedCode:
+    """Reset Dynamo, call ``compiled(*args, **kwargs)`` once, and keep the code Inductor wrote for it."""
+    # Imported here: importing Inductor takes seconds, and nothing else in this module needs it.
+    from torch._inductor.utils import run_and_get_code
+
+    start = time.perf_counter()
+    _, modules = run_and_get_code(compiled, *args, **kwargs)
+    return GeneratedCode(modules=tuple(modules), seconds=time.perf_counter() - start)
