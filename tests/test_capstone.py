@@ -51,8 +51,11 @@ def test_grader_fails_a_patched_clock(monkeypatch):
     slow_clock = lambda: start + (real() - start) / 5  # noqa: E731
     monkeypatch.setattr(time, "perf_counter", slow_clock)
     monkeypatch.setattr(perflab.train.time, "perf_counter", slow_clock)
+    real_start = real()
     claimed = perflab.train.train(NAIVE, replace(COURSE_WORKLOAD, epochs=1), progress=False)
-    assert claimed.samples_per_s > 3000, "the patched clock should fool a measurement in this process"
+    # Against the real clock, not a fixed samples/s: how fast the naive run is depends on the machine.
+    claimed_seconds = claimed.setup_s + claimed.train_s + claimed.eval_s
+    assert claimed_seconds < (real() - real_start) / 3, "the patched clock should fool a measurement in this process"
 
     result = grade(replace(NAIVE, name="patched clock"))
     assert not result.passed
