@@ -140,6 +140,16 @@ class _Sampler:
         return (self._clock() - start) / calls
 
 
+def time_call(fn: Callable[[], object], device: str | torch.device) -> float:
+    """Seconds one ``fn()`` takes, the device synchronized before and after: for a call that runs once
+    (a first call that compiles) or whose rounds the caller interleaves itself."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def _check_counts(repeats: int, warmup: int, min_sample_s: float) -> None:
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from perflab.bench import NEGLIGIBLE_CHANGE, Comparison, compare, format_seconds, median_confidence_interval
-from perflab.device import pick_device, synchronize
+from perflab.bench import NEGLIGIBLE_CHANGE, Comparison, compare, format_seconds, median_confidence_interval, time_call
+from perflab.device import pick_device
 from perflab.tables import text_table
 
 # Dynamo names the code that resumes after a break "torch_dynamo_resume_in_<function>_at_<line>".
@@ -156,11 +156,7 @@ def compile_cost(
     median_confidence_interval([1.0] * repeats)  # too few repeats: fail now, not after compiling
     device = pick_device(device)
     before = _graphs_compiled()
-    synchronize(device)
-    start = time.perf_counter()
-    compiled()
-    synchronize(device)
-    first_call = time.perf_counter() - start
+    first_call = time_call(compiled, device)
     graphs = _graphs_compiled() - before
     if graphs == 0:
         raise ValueError("the first call compiled nothing: the compiled function had already run on these shapes "

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import html
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 
-from perflab.bench import format_seconds
-from perflab.device import pick_device, synchronize
+from perflab.bench import format_seconds, time_call
+from perflab.device import pick_device
 from perflab.memory import peak_memory, saved_tensors
 from perflab.tables import text_table
 
@@ -123,11 +122,7 @@ def measure_tradeoff(variants: Mapping[str, Callable[[], torch.Tensor]], *, para
     times: dict[str, list[float]] = {label: [] for label in labels}
     for round_index in range(rounds):
         for label in labels if round_index % 2 == 0 else reversed(labels):
-            synchronize(device)
-            start = time.perf_counter()
-            run(variants[label])
-            synchronize(device)
-            times[label].append(time.perf_counter() - start)
+            times[label].append(time_call(lambda: run(variants[label]), device))
     for parameter in parameters:
         parameter.grad = None
     return Tradeoff(tuple(VariantCost(label, *memory[label], tuple(times[label])) for label in labels), str(device))
