@@ -32,3 +32,9 @@ for _path in _source_root.glob("*/**/*"):
 if _undeclared & _declared:
     raise ValueError(f"rename these files: a data file shares its name with an undeclared one: {_undeclared & _declared}")
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", *(glob.escape(name) for name in sorted(_undeclared))]
+
+# Autograde runs each submission's kernel in a bubblewrap sandbox and, before the scores are saved,
+# re-measures every measured cell outside the kernel (perflab.grading; the README's threat model).
+from perflab.grading.nbgrader import AUTOGRADE_PREPROCESSORS  # noqa: E402 - after the settings above
+
+c.Autograde.autograde_preprocessors = AUTOGRADE_PREPROCESSORS

@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import csv
 import filecmp
+import hashlib
 import json
+import sysconfig
+from pathlib import Path
 
 import nbformat
 import pytest
 from nbgrader.api import Gradebook
 
+import perflab
+from attacks import ATTACKS, NEEDS_SANDBOX, build_attack
 from nbgrader_course import LAB_NAMES, REPO, NbgraderCourse
+from perflab.grading import MEASURED_CELLS
+from perflab.grading.sandbox import bwrap_works
 
 REGENERATE = "nbgrader generate_assignment {lab} --force   (or: make labs)"
 
@@ -66,16 +73,35 @@ def _errors(course: NbgraderCourse, lab: str) -> list[str]:
             for output in cell.get("outputs", []) if output.output_type == "error"]
 
 
+def _measured_outputs(course: NbgraderCourse, student: str, lab: str) -> dict[str, str]:
+    """Each measured cell's output in the autograded notebook, as text."""
+    notebook = nbformat.read(course.root / "autograded" / student / lab / f"{lab}.ipynb", as_version=4)
+    return {cell.metadata["nbgrader"]["grade_id"]: "\n".join(output.get("text", "") or "\n".join(output.get("traceback", []))
+                                                              for output in cell.outputs)
+            for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") in MEASURED_CELLS.get(lab, ())}
+
+
+def _source_digests() -> dict[str, str]:
+    """perflab's installed source and the environment's sitecustomize.py, to see that grading changed neither."""
+    paths = sorted(Path(perflab.__file__).parent.rglob("*.py")) + [Path(sysconfig.get_paths()["purelib"]) / "sitecustomize.py"]
+    return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent" for path in paths}
+
+
 @pytest.mark.parametrize("lab", LAB_NAMES)
 def test_grading_round_trip(tmp_path, lab):
-    """Release, hand in the solution and the untouched release, autograde, feedback, export."""
+    """Release, hand in the solution, the untouched release and every attack; autograde, feedback, export."""
     course = NbgraderCourse.copy_of_repo(tmp_path)
     release = course.release(lab)
     course.submit("solved", lab, files_from=course.root / "solutions" / lab)
     course.submit("untouched", lab, files_from=release)
+    attacks = [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
+    for name in attacks:
+        course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
+    before = _source_digests()
     course.run("autograde", lab, "--force")
     course.run("generate_feedback", lab, "--force")
     course.run("export", "--to", str(tmp_path / "grades.csv"))
+    assert _source_digests() == before, "grading a submission changed perflab's source or the environment"
 
     with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
         solved = gradebook.find_submission(lab, "solved")
@@ -86,12 +112,25 @@ def test_grading_round_trip(tmp_path, lab):
         assert not lost, f"the reference solution must get every autograded point; lost: {lost}\n{_errors(course, lab)}"
         assert untouched.code_score == 0, "an untouched release must get no autograded point"
         assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
+        scored = {name: {grade.name: grade.score for notebook in gradebook.find_submission(lab, f"attack_{name}").notebooks
+                         for grade in notebook.grades if grade.name in MEASURED_CELLS.get(lab, ())} for name in attacks}
+    assert all(score == 0 for scores in scored.values() for score in scores.values()), (
+        f"an attack scored measured points: {scored}")
 
     assert not _errors(course, lab), f"the autograded solution raised {_errors(course, lab)}"
     for notebook_path in (course.root / "autograded" / "solved" / lab).glob("*.ipynb"):
         feedback = course.root / "feedback" / "solved" / lab / notebook_path.with_suffix(".html").name
         assert feedback.is_file(), f"no feedback for {notebook_path.name}"
+        if lab in MEASURED_CELLS:
+            assert "Re-measured by the course" in feedback.read_text(), "the feedback shows what the grader measured"
+    for cell, text in _measured_outputs(course, "solved", lab).items():
+        assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"
+    if lab == "lab09_capstone":
+        too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
+        assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
+        another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
+        assert "FAIL" in another_task and "accuracy" in another_task, another_task
 
     with open(tmp_path / "grades.csv") as grades:
         students = {row["student_id"] for row in csv.DictReader(grades) if row["assignment"] == lab}
-    assert students == {"solved", "untouched"}
+    assert students == {"solved", "untouched", *(f"attack_{name}" for name in attacks)}

@@ -10,7 +10,7 @@ Instruments live in small modules, one concept each: ``device``, ``bench``, ``do
 ``amp``, ``checkpoint``, ``compiling``, ``distributed``, ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
 ``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
-capstone's benchmark and grader in ``capstone``. The most used
+capstone's benchmark and grader in ``capstone``; grading outside the learner's kernel in ``grading``. The most used
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
 """

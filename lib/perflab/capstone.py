@@ -11,19 +11,23 @@ and both take accuracy from full runs of the course's :class:`~perflab.train.Wor
 """
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+import perflab
 from perflab.bench import Comparison, Timing
-from perflab.device import pick_device
-from perflab.models import ResNetConfig
+from perflab.device import device_name, pick_device
+from perflab.grading.answers import train_config
+from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, noise_problems
 from perflab.train import NAIVE, OPTIMIZED, TrainConfig, Workload, train
 from perflab.train_result import TrainResult, environment
 
@@ -46,21 +50,22 @@ def ceiling_of(config: TrainConfig) -> TrainConfig:
 
 
 def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int = TRIAL_ROUNDS,
-                       device: torch.device, log=None, progress: bool = False) -> list[list[TrainResult]]:
-    """One epoch of each run per round, the order reversed every other round, after a warm-up epoch each.
+                       device: torch.device, log=None, progress: bool = False,
+                       max_steps: int | None = None) -> list[list[TrainResult]]:
+    """One epoch (or ``max_steps``) of each run per round, the order reversed every other round, after a warm-up each.
 
     The progress bar moves between epochs, outside the timed steps, so it costs the trials nothing.
     """
     trials = [(config, replace(workload, epochs=1)) for config, workload in runs]
     bar = tqdm(total=len(trials) * (rounds + 1), desc="interleaved trials", unit="epoch", disable=not progress)
     for config, workload in trials:
-        train(config, workload, device=device, progress=False)  # warm-up: caches, allocator, compilation
+        train(config, workload, device=device, progress=False, max_steps=max_steps)  # warm-up: caches, allocator, compilation
         bar.update()
     results: list[list[TrainResult]] = [[] for _ in runs]
     for round_index in range(rounds):
         order = range(len(trials)) if round_index % 2 == 0 else reversed(range(len(trials)))
         for side in order:
-            results[side].append(train(*trials[side], device=device, progress=False))
+            results[side].append(train(*trials[side], device=device, progress=False, max_steps=max_steps))
             bar.update()
         if log:
             log(f"round {round_index + 1}/{rounds}: " + ", ".join(
@@ -150,10 +155,10 @@ def benchmark_capstone(*, rounds: int = BENCHMARK_ROUNDS, device: str | torch.de
 
 @dataclass(frozen=True)
 class CapstoneGrade:
-    """What the grader measured of a submission, and whether it passes."""
+    """What the grader measured of a submission: ``pass``, ``fail`` or ``inconclusive`` (too noisy to decide)."""
 
-    passed: bool
-    reasons: tuple[str, ...]  # every check that failed, in words
+    status: str
+    reasons: tuple[str, ...]  # every check that failed, in words; or why the measurement could not decide
     speedup: float | None
     interval: tuple[float, float] | None
     baseline_samples_per_s: float | None
@@ -163,6 +168,10 @@ class CapstoneGrade:
     config: dict
     environment: dict
 
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
     def _summary(self) -> str:
         parts = []
         if self.speedup is not None:
@@ -171,72 +180,112 @@ class CapstoneGrade:
                          f"{self.baseline_samples_per_s:,.0f} -> {self.candidate_samples_per_s:,.0f} samples/s)")
         if self.candidate_accuracy is not None:
             parts.append(f"accuracy {self.candidate_accuracy:.1%} vs baseline {self.baseline_accuracy:.1%}")
-        return "; ".join(parts)
+        return "; ".join(parts) or "not measured"
 
     def __repr__(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL (" + "; ".join(self.reasons) + ")"
+        verdict = "PASS" if self.passed else f"{self.status.upper()} (" + "; ".join(self.reasons) + ")"
         return f"CapstoneGrade({verdict}: {self._summary()})"
 
     def _repr_html_(self) -> str:
-        colour = "green" if self.passed else "darkred"
+        colour = {"pass": "green", "fail": "darkred"}.get(self.status, "darkorange")
         reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in self.reasons)
-        return (f"<p><b style='color:{colour}'>{'PASS' if self.passed else 'FAIL'}</b>: {html.escape(self._summary())}</p>"
+        return (f"<p><b style='color:{colour}'>{self.status.upper()}</b>: {html.escape(self._summary())}</p>"
                 f"<ul>{reasons}</ul><p><small>re-measured on {html.escape(self.environment.get('device_name', '?'))}, "
                 f"torch {html.escape(self.environment.get('torch', '?'))}</small></p>")
 
 
-def measure_submission(config: TrainConfig, workload: Workload = COURSE_WORKLOAD, *, rounds: int = TRIAL_ROUNDS,
-                       device: str | torch.device | None = None, log=None) -> CapstoneGrade:
-    """Grade ``config`` in this process: speed first, then accuracy only if everything else passes."""
+def refusal(config: TrainConfig) -> str | None:
+    """Why ``config`` changes the task rather than the way it is done, or None."""
+    if config.pipeline == "memory":
+        return ("pipeline='memory' steps on a few cached batches over and over: it is the compute ceiling, "
+                "not a training run over the course's data")
+    return None
+
+
+def measure_speeds(configs: list[TrainConfig], *, rounds: int, device: torch.device, log=None,
+                   max_steps: int | None = None) -> tuple[list[list[TrainResult]], LoadMeter]:
+    """Interleaved one-epoch trials of ``configs`` on the course's workload, and the load beside them."""
+    with LoadMeter() as load:
+        trials = interleaved_trials([(config, COURSE_WORKLOAD) for config in configs], rounds=rounds, device=device,
+                                    log=log, max_steps=max_steps)
+    if log:
+        log(f"other processes took {load.other_cores:.2f} cores while measuring")
+    return trials, load
+
+
+def speedup_of(baseline: list[TrainResult], candidate: list[TrainResult], label: str) -> Comparison:
+    return Comparison(per_sample_timing("baseline", baseline), per_sample_timing(label, candidate), confidence=CONFIDENCE)
+
+
+def baseline_accuracy(device: torch.device, cache_dir: str | None = None) -> float:
+    """The naive baseline's validation accuracy from a full run, kept in ``cache_dir`` per machine and version."""
+    key = hashlib.sha256(json.dumps([asdict(NAIVE), asdict(COURSE_WORKLOAD), torch.__version__, device_name(device),
+                                     torch.get_num_threads(), perflab.__version__]).encode()).hexdigest()[:16]
+    path = Path(cache_dir, f"baseline-accuracy-{key}.json") if cache_dir else None
+    if path and path.exists():
+        return json.loads(path.read_text())["val_accuracy"]
+    accuracy = train(NAIVE, COURSE_WORKLOAD, device=device, progress=False).val_accuracy
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"val_accuracy": accuracy}))
+    return accuracy
+
+
+def measure_submission(config: TrainConfig, *, rounds: int = TRIAL_ROUNDS, device: str | torch.device | None = None,
+                       log=None, cache_dir: str | None = None) -> CapstoneGrade:
+    """Grade ``config`` on the course's workload in this process: refusals, then speed, then accuracy.
+
+    A noisy measurement (see :mod:`perflab.grading.verdict`) is repeated once with twice the
+    rounds; if it is still noisy the grade is ``inconclusive``, neither a pass nor a fail.
+    """
     device = pick_device(device)
-    baseline_trials, candidate_trials = interleaved_trials([(NAIVE, COURSE_WORKLOAD), (config, workload)],
-                                                           rounds=rounds, device=device, log=log)
-    baseline, candidate = baseline_trials[0], candidate_trials[0]
+    not_measured = dict(speedup=None, interval=None, baseline_samples_per_s=None, candidate_samples_per_s=None,
+                        baseline_accuracy=None, candidate_accuracy=None, config=asdict(config), environment=environment(device))
+    if refusal(config):
+        return CapstoneGrade(status="fail", reasons=(refusal(config),), **not_measured)
+    for attempt_rounds in (rounds, 2 * rounds):
+        (baseline, candidate), load = measure_speeds([NAIVE, config], rounds=attempt_rounds, device=device, log=log)
+        comparison = speedup_of(baseline, candidate, config.name)
+        problems = noise_problems(comparison, load)
+        if not problems:
+            break
+        if log:
+            log(f"too noisy to decide ({'; '.join(problems)})" + ("" if attempt_rounds > rounds else ": measuring again"))
     reasons = []
-    if candidate.samples != baseline.samples:
-        reasons.append(f"it trained on {candidate.samples} samples per epoch, the baseline on {baseline.samples}")
-    if candidate.model_parameters != baseline.model_parameters:
-        reasons.append(f"its model has {candidate.model_parameters:,} parameters, the course's {baseline.model_parameters:,}")
-    comparison = Comparison(per_sample_timing("baseline", baseline_trials), per_sample_timing(config.name, candidate_trials),
-                            confidence=CONFIDENCE)
+    if candidate[0].samples != baseline[0].samples:
+        reasons.append(f"it trained on {candidate[0].samples} samples per epoch, the baseline on {baseline[0].samples}")
+    if candidate[0].model_parameters != baseline[0].model_parameters:
+        reasons.append(f"its model has {candidate[0].model_parameters:,} parameters, the course's {baseline[0].model_parameters:,}")
     if comparison.speedup < MIN_SPEEDUP:
         reasons.append(f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required")
     accuracies = (None, None)
-    if not reasons:
-        full = [train(c, w, device=device, progress=False) for c, w in ((NAIVE, COURSE_WORKLOAD), (config, workload))]
-        accuracies = tuple(run.val_accuracy for run in full)
-        if full[1].samples != full[0].samples:
-            reasons.append(f"it trained on {full[1].samples} samples in all, the baseline on {full[0].samples}")
+    if not reasons and not problems:
+        accuracies = (baseline_accuracy(device, cache_dir), train(config, COURSE_WORKLOAD, device=device, progress=False).val_accuracy)
         if accuracies[1] < accuracies[0] - ACCURACY_TOLERANCE:
             reasons.append(f"its accuracy {accuracies[1]:.1%} is more than {ACCURACY_TOLERANCE:.0%} points "
                            f"under the baseline's {accuracies[0]:.1%}")
+    status = "inconclusive" if problems else "fail" if reasons else "pass"
     return CapstoneGrade(
-        passed=not reasons, reasons=tuple(reasons), speedup=comparison.speedup, interval=comparison.interval,
-        baseline_samples_per_s=_median_samples_per_s(baseline_trials),
-        candidate_samples_per_s=_median_samples_per_s(candidate_trials),
-        baseline_accuracy=accuracies[0], candidate_accuracy=accuracies[1], config=asdict(config),
-        environment=environment(device),
+        status=status, reasons=tuple([INCONCLUSIVE, *problems] if problems else reasons), speedup=comparison.speedup,
+        interval=comparison.interval, baseline_samples_per_s=_median_samples_per_s(baseline),
+        candidate_samples_per_s=_median_samples_per_s(candidate), baseline_accuracy=accuracies[0],
+        candidate_accuracy=accuracies[1], config=asdict(config), environment=environment(device),
     )
 
 
-def workload_from_dict(fields: dict) -> Workload:
-    return Workload(**{**fields, "model": ResNetConfig(**fields["model"])})
+def grade(config: TrainConfig, *, timeout_s: float = 900) -> CapstoneGrade:
+    """Re-measure ``config`` against the course's baseline, on the course's workload, in a fresh Python process.
 
-
-def grade(config: TrainConfig, workload: Workload = COURSE_WORKLOAD, *, timeout_s: float = 600) -> CapstoneGrade:
-    """Re-measure ``config`` against the course's baseline in a fresh, isolated Python process.
-
-    Nothing of the calling notebook reaches the measurement: not a patched clock, not a
-    monkeypatched ``perflab``, not a number typed into a cell. The child runs with ``-I``
-    (no current directory on the path, no ``PYTHON*`` variables) and receives only the
-    submission's fields as JSON; its progress lines are relayed here as they come.
+    This is the learner's own check before handing in; what scores is the same measurement made
+    by the course's grader during ``nbgrader autograde``, outside the notebook. The child runs
+    with ``-I`` (no current folder on the path, no ``PYTHON*`` variables) and receives only the
+    configuration's fields as JSON; its progress lines are relayed here as they come.
     """
-    if not isinstance(config, TrainConfig) or not isinstance(workload, Workload):
-        raise TypeError(f"grade() takes a TrainConfig and a Workload, got {type(config).__name__} and {type(workload).__name__}")
-    submission = json.dumps({"config": asdict(config), "workload": asdict(workload)})
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"grade() takes a TrainConfig, got {type(config).__name__}")
     child = subprocess.Popen([sys.executable, "-I", "-m", "perflab", "grade-capstone"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    child.stdin.write(submission)
+    child.stdin.write(json.dumps({"TrainConfig": asdict(config)}))
     child.stdin.close()
     other_output = []
     for line in child.stderr:  # progress, as the child measures
@@ -259,9 +308,7 @@ def grade(config: TrainConfig, workload: Workload = COURSE_WORKLOAD, *, timeout_
 
 
 def grade_from_stdin() -> None:
-    """The child's side of :func:`grade`: a submission as JSON on stdin, the grade as JSON on stdout."""
-    submission = json.loads(sys.stdin.read())
-    config = TrainConfig(**submission["config"])
-    grade = measure_submission(config, workload_from_dict(submission["workload"]),
-                               log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
+    """The child's side of :func:`grade`: a configuration as JSON on stdin, the grade as JSON on stdout."""
+    config = train_config(json.loads(sys.stdin.read()))
+    grade = measure_submission(config, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
     print(json.dumps(asdict(grade)))

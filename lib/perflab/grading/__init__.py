@@ -1,0 +1,28 @@
+"""Grading that no learner code can influence: measured points are decided outside the learner's kernel.
+
+    # nbgrader_config.py (the course's own does this)
+    c.Autograde.autograde_preprocessors = perflab.grading.nbgrader.AUTOGRADE_PREPROCESSORS
+    # a hidden test cell of a measured criterion only hands the answer over, as data
+    hand_in(final_config=final_config)
+
+During ``nbgrader autograde``, each submission's kernel runs in a sandbox
+(:mod:`perflab.grading.sandbox`). Then, in the instructor's nbgrader process and before the
+scores are saved, :class:`perflab.grading.nbgrader.TrustedMeasurement` re-measures every cell in
+``MEASURED_CELLS`` in fresh processes started from a pristine copy of perflab, on the course's
+own workload, and writes the verdict and the measurement into that cell's output: the cell
+scores its points only if the grader measured a pass. What the kernel did in that cell, or
+anywhere else, only ever reaches the grader as data: configurations handed in
+(:mod:`perflab.grading.answers`) or the source of the learner's answer cells, run in a sandboxed
+child that the grader times from outside (:mod:`perflab.grading.child`).
+"""
+from perflab.grading.answers import hand_in
+
+# The graded cells whose points depend on a measured speed, share of the compute ceiling or ratio.
+MEASURED_CELLS = {
+    "lab02_profiling": ("test_preprocess_speed",),
+    "lab03_data_loading": ("test_ceiling",),
+    "lab06_compile": ("test_compiled_speed",),
+    "lab09_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
+}
+
+__all__ = ["MEASURED_CELLS", "hand_in"]

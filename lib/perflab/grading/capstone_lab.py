@@ -1,0 +1,182 @@
+"""Lab 09's measured cells, decided from the configurations the notebook handed in, on the course's workload.
+
+    >>> verdicts = grade_capstone_lab({"test_regrade": {"final_config": {"TrainConfig": {...}}}, ...})
+    >>> verdicts["test_regrade"]
+    Verdict(pass: final: 3.21x median speedup over the naive baseline (90% CI 3.02x-3.40x) ...)
+
+Every configuration is timed in the same interleaved one-epoch rounds, so that each ratio below
+is a per-round ratio of neighbours; accuracy comes from full runs, only for configurations whose
+speed already passed. Nothing of the learner's notebook runs here: only its answers, as data.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, replace
+
+import torch
+
+from perflab.capstone import (ACCURACY_TOLERANCE, COURSE_WORKLOAD, MIN_SPEEDUP, TRIAL_ROUNDS, baseline_accuracy,
+                              measure_speeds, refusal, speedup_of)
+from perflab.grading.answers import AnswerError, boolean, train_config
+from perflab.grading.verdict import Verdict, noise_problems
+from perflab.memory import saved_tensors
+from perflab.train import NAIVE, TrainConfig, build_model, train
+
+DATA_SPEEDUP = 1.3  # part 2: decode once, no per-step syncs, same batch
+BATCH_SPEEDUP = 1.2  # part 3: a larger batch over part 2's pipeline
+AMP_STEPS = 12  # part 4 compares a few steps: a low-precision epoch takes minutes on a CPU without bf16 units
+AMP_MARGIN = 0.05  # part 4: within 5% either way, either decision counts
+# What each graded cell hands in.
+HANDED_IN = {"test_data": ("data_config",), "test_batch": ("batch_config", "data_config"),
+             "test_amp": ("amp_config", "batch_config", "KEEP_AMP"), "test_ckpt": ("ckpt_config", "batch_config"),
+             "test_regrade": ("final_config",)}
+
+
+def _key(config: TrainConfig) -> tuple:
+    return tuple(value for name, value in asdict(config).items() if name != "name")
+
+
+def _configs(answers: dict, names: tuple[str, ...]) -> dict[str, TrainConfig]:
+    configs = {}
+    for name in names:
+        if name not in answers:
+            raise AnswerError(f"{name} was not handed in")
+        if name.endswith("_config"):
+            configs[name] = train_config(answers[name])
+            if refusal(configs[name]):
+                raise AnswerError(f"{name}: {refusal(configs[name])}")
+    return configs
+
+
+def _static_failures(cell: str, configs: dict[str, TrainConfig], answers: dict) -> list[str]:
+    """What the configurations themselves get wrong, before anything is measured."""
+    for name in ("data_config", "final_config"):
+        if cell in ("test_data", "test_regrade") and name in configs and _key(configs[name]) == _key(NAIVE):
+            return [f"{name} is the naive baseline's own configuration: 1.00x, nothing to measure"]
+    if cell == "test_batch" and _key(configs["batch_config"]) == _key(configs["data_config"]):
+        return ["batch_config is data_config: nothing changed"]
+    if cell == "test_data" and configs["data_config"].batch_size != NAIVE.batch_size:
+        return [f"data_config must keep the baseline's batch of {NAIVE.batch_size}: one change at a time"]
+    if cell == "test_batch" and configs["batch_config"].batch_size < 64:
+        return ["batch_config needs at least 64 samples per step"]
+    if cell == "test_amp":
+        boolean(answers["KEEP_AMP"], "KEEP_AMP")
+        if configs["amp_config"].amp_dtype not in ("bfloat16", "float16"):
+            return ["amp_config must use a low-precision dtype"]
+    if cell == "test_ckpt":
+        ckpt, batch = configs["ckpt_config"], configs["batch_config"]
+        if not ckpt.checkpoint_blocks:
+            return ["ckpt_config must turn checkpointing on"]
+        if ckpt.batch_size < 2 * batch.batch_size:
+            return [f"ckpt_config's batch {ckpt.batch_size} is not twice batch_config's {batch.batch_size}"]
+    return []
+
+
+def _activation_megabytes(config: TrainConfig, device: torch.device) -> float:
+    model = build_model(config, COURSE_WORKLOAD, device)
+    images = torch.randn(config.batch_size, 3, 32, 32, device=device)
+    with saved_tensors() as saved:
+        loss = model(images).sum()  # noqa: F841 - kept alive to the end of the block, as its graph is
+    return saved.bytes / 1e6
+
+
+def _ratio_text(comparison, what: str) -> str:
+    low, high = comparison.interval
+    return f"{what}: {comparison.speedup:.2f}x median ({comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x)"
+
+
+def grade_capstone_lab(handed: dict[str, dict], *, device: torch.device, log=print, cache_dir: str | None = None,
+                       rounds: int = TRIAL_ROUNDS) -> dict[str, Verdict]:
+    """One verdict per graded cell of lab 09, from ``handed[cell]``: the answers that cell handed in."""
+    verdicts: dict[str, Verdict] = {}
+    configs: dict[str, dict[str, TrainConfig]] = {}
+    for cell, answers in handed.items():
+        try:
+            if isinstance(answers, AnswerError):
+                raise answers
+            configs[cell] = _configs(answers, HANDED_IN[cell])
+            failures = _static_failures(cell, configs[cell], answers)
+        except AnswerError as error:
+            verdicts[cell] = Verdict.refused(str(error))
+            continue
+        if failures:
+            verdicts[cell] = Verdict("fail", "not measured", tuple(failures))
+
+    # Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time.
+    timed_cells = [cell for cell in ("test_data", "test_batch", "test_regrade") if cell in configs and cell not in verdicts]
+    timed = [NAIVE]
+    for cell in timed_cells:
+        timed += [config for config in configs[cell].values() if _key(config) not in map(_key, timed)]
+
+    def comparison_of(cell: str, side: dict):
+        if cell == "test_batch":
+            return speedup_of(*(side[_key(configs[cell][name])] for name in ("data_config", "batch_config")), "batch_config")
+        name = "data_config" if cell == "test_data" else "final_config"
+        return speedup_of(side[_key(NAIVE)], side[_key(configs[cell][name])], name)
+
+    for attempt_rounds in ((rounds, 2 * rounds) if timed_cells else ()):
+        log(f"timing {len(timed)} configurations in {attempt_rounds} interleaved one-epoch rounds")
+        trials, load = measure_speeds(timed, rounds=attempt_rounds, device=device, log=log)
+        side = {_key(config): results for config, results in zip(timed, trials)}
+        comparisons = {cell: comparison_of(cell, side) for cell in timed_cells}
+        noisy = {cell: noise_problems(comparison, load) for cell, comparison in comparisons.items()}
+        if not any(noisy.values()):
+            break
+    accuracies: dict[tuple, float] = {}
+    for cell in timed_cells:
+        comparison, problems = comparisons[cell], noisy[cell]
+        if cell == "test_data":
+            candidate = side[_key(configs[cell]["data_config"])]
+            waits = [statistics.median(r.phase_shares["data_wait"] for r in results) for results in (side[_key(NAIVE)], candidate)]
+            failures = [f"data_config is {comparison.speedup:.2f}x the baseline; at least {DATA_SPEEDUP}x expected"] \
+                if comparison.speedup < DATA_SPEEDUP else []
+            if waits[1] >= waits[0] / 2:
+                failures.append(f"waiting for data takes {waits[1]:.0%} of its time, the baseline's {waits[0]:.0%}: "
+                                "it should at least halve")
+            measured = (_ratio_text(comparison, "data_config over the naive baseline")
+                        + f"; waiting for data {waits[0]:.0%} -> {waits[1]:.0%} of the training time")
+        elif cell == "test_batch":
+            failures = [f"batch_config is {comparison.speedup:.2f}x data_config; at least {BATCH_SPEEDUP}x expected"] \
+                if comparison.speedup < BATCH_SPEEDUP else []
+            measured = _ratio_text(comparison, "batch_config over data_config")
+        else:
+            failures = [f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required"] \
+                if comparison.speedup < MIN_SPEEDUP else []
+            measured = _ratio_text(comparison, "final_config over the naive baseline") + " ({:,.0f} -> {:,.0f} samples/s)".format(
+                *(statistics.median(r.samples_per_s for r in side[_key(c)]) for c in (NAIVE, configs[cell]["final_config"])))
+        if cell in ("test_batch", "test_regrade") and not failures and not problems:
+            config = configs[cell]["batch_config" if cell == "test_batch" else "final_config"]
+            if _key(config) not in accuracies:  # a final_config that is batch_config trains once
+                accuracies[_key(config)] = train(config, COURSE_WORKLOAD, device=device, progress=False).val_accuracy
+            accuracy, base = accuracies[_key(config)], baseline_accuracy(device, cache_dir)
+            measured += f"; validation accuracy {accuracy:.1%}, the baseline's {base:.1%}"
+            if accuracy < base - ACCURACY_TOLERANCE:
+                failures.append(f"its accuracy is more than {ACCURACY_TOLERANCE:.0%} points under the baseline's")
+        verdicts[cell] = Verdict.decide(measured, failures, problems)
+
+    if "test_amp" in configs and "test_amp" not in verdicts:
+        verdicts["test_amp"] = _grade_amp(configs["test_amp"], handed["test_amp"]["KEEP_AMP"], device, log, rounds)
+    if "test_ckpt" in configs and "test_ckpt" not in verdicts:
+        ckpt, batch = (_activation_megabytes(configs["test_ckpt"][name], device) for name in ("ckpt_config", "batch_config"))
+        measured = f"kept for backward: {ckpt:.1f} MB checkpointed, {batch:.1f} MB for batch_config"
+        verdicts["test_ckpt"] = Verdict.decide(measured, [] if ckpt < batch else ["the checkpointed, doubled batch keeps more"])
+    return verdicts
+
+
+def _grade_amp(configs: dict[str, TrainConfig], keep_amp: bool, device, log, rounds: int) -> Verdict:
+    amp, batch = configs["amp_config"], configs["batch_config"]
+    for attempt_rounds in (rounds, 2 * rounds):
+        log(f"timing amp_config against batch_config: {attempt_rounds} interleaved rounds of {AMP_STEPS} steps")
+        (float32, low_precision), load = measure_speeds([replace(batch, name="float32"), amp], rounds=attempt_rounds,
+                                                        device=device, log=log, max_steps=AMP_STEPS)
+        comparison = speedup_of(float32, low_precision, amp.amp_dtype)
+        low, high = comparison.interval
+        # Only a clear difference decides: inside the margin either answer counts, and a noisy run decides nothing.
+        problems = noise_problems(comparison, load) if low < 1 + AMP_MARGIN and high > 1 - AMP_MARGIN else []
+        if not problems:
+            break
+    faster, slower = low > 1 + AMP_MARGIN, high < 1 - AMP_MARGIN
+    failures = ["it was measured faster: keep it"] if faster and not keep_amp else \
+        ["it was measured slower: leave it out"] if slower and keep_amp else []
+    return Verdict.decide(_ratio_text(comparison, f"{amp.amp_dtype} autocast over float32") + f"; KEEP_AMP = {keep_amp}",
+                          failures, problems)

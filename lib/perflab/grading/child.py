@@ -1,0 +1,212 @@
+"""A learner's answer, run in a sandboxed child process that the trusted grader times from outside.
+
+    >>> child = AnswerProcess([("setup", "import torch"), ("answer", learner_source)], handlers="perflab.grading.code_labs")
+    >>> reply, payload, seconds = child.call("lab02_run", steps=4, seed=123)   # the parent's clock, not the child's
+    >>> child.close()
+
+The child runs the cells (the lab's own and the learner's), then answers requests: one
+``handlers`` function each, called with the cells' namespace. The parent thaws the child before a
+request and stops it (SIGSTOP, its whole process tree) as soon as the reply is in, so nothing
+the learner's code starts in the background can run while the other side is measured. Messages
+are length-prefixed frames of JSON plus raw bytes: nothing from the child is ever unpickled.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import psutil
+
+from perflab.grading.sandbox import pristine_perflab, require_sandbox, sandbox_command, trusted_python
+from perflab.grading.verdict import tree_cpu_seconds
+
+_LENGTHS = struct.Struct("<II")
+MAX_HEADER = 1 << 20
+MAX_PAYLOAD = 256 << 20
+
+
+class ChildError(RuntimeError):
+    """The child failed to run a cell or to answer a request; the message says what the learner's code raised."""
+
+
+def send_frame(stream, header: dict, payload: bytes = b"") -> None:
+    body = json.dumps(header).encode()
+    stream.write(_LENGTHS.pack(len(body), len(payload)) + body + payload)
+    stream.flush()
+
+
+def read_frame(stream) -> tuple[dict, bytes]:
+    lengths = stream.read(_LENGTHS.size)
+    if len(lengths) < _LENGTHS.size:
+        raise EOFError("the other side closed the pipe")
+    header_length, payload_length = _LENGTHS.unpack(lengths)
+    if header_length > MAX_HEADER or payload_length > MAX_PAYLOAD:
+        raise ChildError(f"a message of {header_length + payload_length:,} bytes is over the limit")
+    header = json.loads(stream.read(header_length))
+    if not isinstance(header, dict):
+        raise ChildError("a message that is not a JSON object")
+    return header, stream.read(payload_length)
+
+
+class AnswerProcess:
+    """Parent side: start the child, run its cells, then time requests and keep it frozen in between."""
+
+    def __init__(self, cells: list[tuple[str, str]], *, handlers: str, setup_timeout_s: float = 300):
+        self.workdir = tempfile.mkdtemp(prefix="perflab-answer-")
+        self.log = tempfile.TemporaryFile()
+        command = trusted_python("perflab.grading.child")
+        if require_sandbox():
+            command = sandbox_command(command, workdir=self.workdir, readable=[pristine_perflab()])
+        self.process = subprocess.Popen(command, cwd=self.workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, start_new_session=True)
+        self._frozen = False
+        header, _ = self._exchange({"cells": cells, "handlers": handlers}, timeout_s=setup_timeout_s)
+        if "error" in header:
+            self.close()
+            raise ChildError(header["error"])
+        self.freeze()
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def freeze(self) -> None:
+        """Stop every process of the child's tree, again until no new one appears."""
+        stopped: set[int] = set()
+        while True:
+            tree = [p for p in self._tree() if p.pid not in stopped]
+            if not tree:
+                break
+            for process in tree:
+                try:
+                    process.send_signal(signal.SIGSTOP)
+                except psutil.NoSuchProcess:
+                    pass
+                stopped.add(process.pid)
+        self._frozen = True
+
+    def thaw(self) -> None:
+        for process in reversed(self._tree()):
+            try:
+                process.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        self._frozen = False
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the child's whole tree so far, exited children that were waited for included."""
+        try:
+            return tree_cpu_seconds(psutil.Process(self.process.pid))
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    def _exchange(self, header: dict, payload: bytes = b"", timeout_s: float = 300) -> tuple[dict, bytes]:
+        if self.process.poll() is not None:
+            raise ChildError(f"the answer's process has ended (exit {self.process.returncode}): {self.output_tail()}")
+        send_frame(self.process.stdin, header, payload)
+        # A watchdog, not the clock that grades: a request that never returns ends the child.
+        timer = _Watchdog(self.process, timeout_s)
+        try:
+            return read_frame(self.process.stdout)
+        except EOFError:
+            reason = "did not answer in time" if timer.fired else f"ended (exit {self.process.wait()})"
+            raise ChildError(f"the answer's process {reason}: {self.output_tail()}") from None
+        finally:
+            timer.cancel()
+
+    def call(self, name: str, payload: bytes = b"", *, timeout_s: float = 300, **args) -> tuple[dict, bytes, float]:
+        """Thaw, send one request, read the reply, freeze; returns (result, payload, seconds by the parent's clock)."""
+        self.thaw()
+        start = time.perf_counter()
+        try:
+            header, reply_payload = self._exchange({"call": name, "args": args}, payload, timeout_s)
+        finally:
+            seconds = time.perf_counter() - start
+            if self.process.poll() is None:
+                self.freeze()
+        if "error" in header:
+            raise ChildError(str(header["error"]))
+        return header.get("result"), reply_payload, seconds
+
+    def output_tail(self, characters: int = 1500) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-characters:]
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        self.log.close()
+
+
+class _Watchdog:
+    def __init__(self, process: subprocess.Popen, timeout_s: float):
+        import threading
+
+        self.fired = False
+        self._timer = threading.Timer(timeout_s, self._fire, args=(process,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self, process: subprocess.Popen) -> None:
+        self.fired = True
+        try:
+            os.killpg(process.pid, signal.SIGCONT)
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _describe(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    cell_frames = [frame for frame in frames if frame.filename.startswith("<cell ")]
+    where = f" (in {cell_frames[-1].filename.strip('<>')}, line {cell_frames[-1].lineno})" if cell_frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def main() -> None:
+    """Child side: run the cells, then answer requests until the parent closes the pipe."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever the cells print goes to the log, never into the replies
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+    setup, _ = read_frame(requests)
+    namespace: dict = {"__name__": "__main__"}
+    for name, source in setup["cells"]:
+        try:
+            exec(compile(source, f"<cell {name}>", "exec"), namespace)
+        except BaseException as error:  # noqa: BLE001 - a learner's cell may raise anything
+            send_frame(replies, {"error": f"running cell {name!r}: {_describe(error)}"})
+            return
+    handlers = importlib.import_module(setup["handlers"])
+    send_frame(replies, {"ready": True})
+    while True:
+        try:
+            header, payload = read_frame(requests)
+        except EOFError:
+            return
+        try:
+            result, data = getattr(handlers, f"child_{header['call']}")(namespace, payload, **header["args"])
+            send_frame(replies, {"result": result}, data)
+        except BaseException as error:  # noqa: BLE001
+            send_frame(replies, {"error": _describe(error)})
+
+
+if __name__ == "__main__":
+    main()

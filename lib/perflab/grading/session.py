@@ -1,0 +1,45 @@
+"""The trusted grading process: one notebook's measured cells in, one verdict per cell out (JSON).
+
+    $ python -I -S -c '...' perflab.grading.session < job.json     # started by TrustedMeasurement
+
+The job names the lab and holds the course's cells (from the instructor's source notebook), the
+learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
+in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from perflab.grading.answers import AnswerError
+from perflab.grading.verdict import Verdict
+
+
+def grade_job(job: dict, log) -> dict[str, Verdict]:
+    lab = job["lab"]
+    if lab == "lab09_capstone":
+        from perflab.device import pick_device
+        from perflab.grading.capstone_lab import grade_capstone_lab
+
+        handed = {cell: AnswerError(answers["error"]) if "error" in answers else answers
+                  for cell, answers in job["handed_in"].items()}
+        return grade_capstone_lab(handed, device=pick_device(), log=log, cache_dir=job.get("cache_dir"))
+    if lab == "lab02_profiling":
+        from perflab.grading.code_labs import grade_lab02 as grade_lab
+    elif lab == "lab03_data_loading":
+        from perflab.grading.data_lab import grade_lab03 as grade_lab
+    elif lab == "lab06_compile":
+        from perflab.grading.code_labs import grade_lab06 as grade_lab
+    else:
+        raise ValueError(f"no measured criteria for {lab!r}")
+    return grade_lab(job["cells"])
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    verdicts = grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
+    print(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Submissions that try to score the measured points without earning them, as a determined learner would.
+
+    >>> notebook, files = build_attack("lab09_capstone", "grade_replaced")
+
+Each attack starts from the reference solution and changes what a learner controls: the answer
+cells (their source, and cells added or deleted) and the files handed in beside the notebook.
+``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
+measured cell. Lab 09's attacks hand in a trimmed notebook (the expensive read-only runs deleted),
+as a learner may.
+"""
+from __future__ import annotations
+
+import nbformat
+from nbformat.v4 import new_code_cell
+
+from nbgrader_course import REPO
+
+# A comparison or grade that says "pass" to whoever asks in the kernel.
+FAKE_PASS = '''
+class _Pass:
+    passed, status, reasons, speedup, interval = True, "pass", (), 9.9, (9.8, 10.0)
+    def __getattr__(self, name):
+        return 9.9
+    def __repr__(self):
+        return "PASS: 9.9x"
+'''
+SLOW_CLOCK = '''
+import time
+_real_clock, _start = time.perf_counter, time.perf_counter()
+time.perf_counter = lambda: _start + (_real_clock() - _start) / 5   # a clock that runs 5x slow
+'''
+
+
+def _grade_id(cell) -> str | None:
+    return cell.metadata.get("nbgrader", {}).get("grade_id")
+
+
+def _set(notebook, grade_id: str, source: str) -> None:
+    next(cell for cell in notebook.cells if _grade_id(cell) == grade_id).source = source
+
+
+LAB02 = {
+    # The kernel's clock and perflab.compare lie; preprocess_fast is the original, no faster.
+    "patched_instruments": {"preprocess_fast": FAKE_PASS + SLOW_CLOCK + '''
+import perflab
+perflab.compare = lambda *args, **kwargs: _Pass()
+
+
+def preprocess_fast(image, index):
+    return preprocess(image, index)
+'''},
+    # Results from a table instead of training: instant, and wrong for the grader's seeds.
+    "fake_results": {"preprocess_fast": '''
+def preprocess_fast(image, index):
+    return preprocess(image, index)
+
+
+def run_pipeline(steps=STEPS, transform=preprocess, seed=0):
+    return [2.3] * steps, 0
+'''},
+}
+
+LAB03 = {
+    # Honest but slow: each crop built row by row in Python; the kernel's meter is replaced too.
+    "row_by_row": {"batch_crop_flip": FAKE_PASS + '''
+measure_against_ceiling = lambda *args, **kwargs: type("Fake", (), {"share": lambda self, name: 1.0})()
+
+
+def batch_crop_flip(images, generator):
+    tops = torch.randint(0, 5, (len(images),), generator=generator).tolist()
+    lefts = torch.randint(0, 5, (len(images),), generator=generator).tolist()
+    flips = (torch.rand(len(images), generator=generator) < 0.5).tolist()
+    out = []
+    for image, top, left, flip in zip(images, tops, lefts, flips):
+        crop = torch.stack([image[:, top + row, left:left + 32] for row in range(32)], dim=1)
+        out.append(crop.flip(-1) if flip else crop)
+    return torch.stack(out)
+'''},
+    # The first epoch made once, then replayed for every seed: no work per batch at all.
+    "replayed_epochs": {"fast_epoch": '''
+_replay = []
+
+
+def fast_epoch(images, labels, *, batch_size, seed):
+    if not _replay:
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(labels), generator=generator).to(images.device)
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            _replay.append((batch_crop_flip(images.index_select(0, index), generator), labels.index_select(0, index)))
+    return iter(_replay)
+'''},
+}
+
+LAB06 = {
+    # Not compiled at all; in the grader's process it forks two CPU hogs to slow the other side down.
+    "eager_with_hogs": {"compiled_training_step": FAKE_PASS + '''
+import os
+import sys
+
+import perflab
+
+perflab.compare = lambda *args, **kwargs: _Pass()
+if "ipykernel" not in sys.modules:   # only in the grader's process
+    for _ in range(2):
+        if os.fork() == 0:
+            while True:
+                pass
+
+
+def compiled_training_step(model, optimizer):
+    return eager_training_step(model, optimizer)
+'''},
+    # Fast because it skips the backward pass and the update: the losses stop falling.
+    "no_update": {"compiled_training_step": '''
+def compiled_training_step(model, optimizer):
+    compiled = torch.compile(model, fullgraph=True)
+
+    def step(inputs, targets):
+        with torch.no_grad():
+            return F.mse_loss(compiled(inputs), targets)
+    return step
+'''},
+}
+
+# Lab 09: every configuration the naive one (none of them an answer) unless the attack says otherwise.
+NAIVE_CONFIGS = '''
+data_config = replace(NAIVE, name="decode once, no syncs")
+batch_config = replace(NAIVE, name="batch 64")
+amp_config = replace(NAIVE, name="bf16")
+ckpt_config = replace(NAIVE, name="checkpointed")
+final_config = replace(NAIVE, name="final")
+KEEP_AMP = False
+'''
+TOO_SLOW = 'final_config = replace(NAIVE, name="final", log_every=100, python_metrics=False)\n'
+LAB09 = {
+    "grade_replaced": FAKE_PASS + '''
+import perflab.capstone
+perflab.capstone.grade = lambda *args, **kwargs: _Pass()
+''',
+    "popen_replaced": '''
+import io
+import json
+import subprocess
+
+
+class _Popen:
+    def __init__(self, *args, **kwargs):
+        self.stdin, self.returncode = io.StringIO(), 0
+        self.stderr = io.StringIO("")
+        self.stdout = io.StringIO(json.dumps({"status": "pass", "passed": True, "reasons": [], "speedup": 9.9}))
+
+    def wait(self, timeout=None):
+        return 0
+
+
+subprocess.Popen = _Popen
+''',
+    "clock_patched": FAKE_PASS + SLOW_CLOCK + '''
+time.monotonic = time.perf_counter
+import perflab.train
+perflab.compare = lambda *args, **kwargs: _Pass()
+perflab.train.train = lambda *args, **kwargs: _Pass()
+''',
+    "shadow_module": "",  # the files below do it
+    # Another task: smaller, easier images, a wider stem, a validation set of the notebook's own; a batch of 512.
+    "workload_reassigned": '''
+import os
+import pickle
+import numpy as np
+from perflab.models import ResNetConfig
+
+os.makedirs("easy_cifar", exist_ok=True)
+for name, count in (("data_batch_1", 5000), ("test_batch", 1000)):   # one solid colour per class: trivially easy
+    labels = [i % 10 for i in range(count)]
+    pixels = np.repeat(np.array(labels, dtype=np.uint8)[:, None] * 25, 3072, axis=1)
+    with open(os.path.join("easy_cifar", name), "wb") as file:
+        pickle.dump({b"data": pixels, b"labels": labels}, file)
+workload = replace(workload, image_size=16, val_per_class=10, cifar10_dir="easy_cifar",
+                   model=ResNetConfig(stem_stride=1))
+''' + 'final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=512, log_every=100)\n',
+    "memory_pipeline": 'final_config = replace(NAIVE, name="final", pipeline="memory", batch_size=64, log_every=50)\n',
+    # Appends to perflab's installed source and writes a sitecustomize.py: read-only in the sandbox.
+    "writes_grader": TOO_SLOW + '''
+import os
+import sysconfig
+
+import perflab.capstone
+
+for path, text in ((perflab.capstone.__file__, "\\nMIN_SPEEDUP = 1.0\\n"),
+                   (os.path.join(sysconfig.get_paths()["purelib"], "sitecustomize.py"),
+                    "import perflab.capstone\\nperflab.capstone.MIN_SPEEDUP = 1.0\\n")):
+    try:
+        with open(path, "a") as file:
+            file.write(text)
+        print("wrote", path)
+    except OSError as error:
+        print("could not write:", error)
+''',
+    "too_slow": TOO_SLOW,
+}
+SHADOW_PERFLAB = '''"""Not the course's perflab: a package of the same name beside the notebook, which the kernel imports first."""
+import os
+import sys
+
+_real = next(os.path.join(p, "perflab") for p in sys.path
+             if p and os.path.abspath(p) != os.getcwd() and os.path.isfile(os.path.join(p, "perflab", "capstone.py")))
+__path__.append(_real)  # the real submodules, under this package
+exec(open(os.path.join(_real, "__init__.py")).read())
+
+
+class _Pass:
+    passed, status, reasons, speedup = True, "pass", (), 9.9
+
+
+import perflab.capstone  # noqa: E402
+
+perflab.capstone.grade = lambda *args, **kwargs: _Pass()
+'''
+# Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
+NEEDS_SANDBOX = {"writes_grader"}
+ATTACKS = {"lab02_profiling": LAB02, "lab03_data_loading": LAB03, "lab06_compile": LAB06, "lab09_capstone": LAB09}
+# What lab 09's trimmed notebooks keep of the read-only cells: the setup, nothing that trains.
+LAB09_KEPT = {"colab_setup", "setup"}
+
+
+def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:
+    """The attack's notebook and the files it hands in beside it (relative path -> text)."""
+    notebook = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
+    attack = ATTACKS[lab][name]
+    if lab != "lab09_capstone":
+        for grade_id, source in attack.items():
+            _set(notebook, grade_id, source)
+        return notebook, {}
+    kept = []
+    for cell in notebook.cells:
+        nbgrader = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and nbgrader.get("locked") and not nbgrader.get("grade") and _grade_id(cell) not in LAB09_KEPT:
+            continue  # a learner may delete read-only cells; these train for minutes
+        kept.append(cell)
+        if _grade_id(cell) == "setup":
+            kept.append(new_code_cell(NAIVE_CONFIGS + attack))
+    notebook.cells = kept
+    for grade_id in ("data_config", "batch_config", "amp_config", "keep_amp", "ckpt_config", "final_config"):
+        _set(notebook, grade_id, "# answered above")
+    files = {"perflab/__init__.py": SHADOW_PERFLAB} if name == "shadow_module" else {}
+    return notebook, files
