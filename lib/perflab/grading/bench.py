@@ -14,6 +14,7 @@ current folder, with no verdict reused.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,8 +27,8 @@ from perflab.train import NAIVE, OPTIMIZED
 
 SUBMISSIONS = {
     "reference": OPTIMIZED,
-    # Decoded once, but a sync and a Python metric every step: faster than the baseline, not 2x.
-    "under 2x": replace(NAIVE, name="decoded once, syncs kept", pipeline="cached"),
+    # Decoded once, but half the batch, a sync and a Python metric every step: about 1.7x here, under the 2x required.
+    "under 2x": replace(NAIVE, name="decoded once, batch 16", pipeline="cached", batch_size=16),
 }
 
 
@@ -73,14 +74,17 @@ def autograde_benchmark(runs: int, course: Path = Path.cwd()) -> None:
     folder = Path(tempfile.mkdtemp(prefix="perflab-bench-"))
     shutil.copy(course / "nbgrader_config.py", folder)
     shutil.copytree(course / "solutions", folder / "solutions")
-    nbgrader = [sys.executable, "-m", "nbgrader"]
-    subprocess.run([*nbgrader, "generate_assignment", lab, "--force"], cwd=folder, check=True, capture_output=True)
+    bin_dir = Path(sys.executable).parent  # nbgrader starts `alembic` from PATH: this environment's
+    environment = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    nbgrader = [str(bin_dir / "nbgrader")]
+    subprocess.run([*nbgrader, "generate_assignment", lab, "--force"], cwd=folder, env=environment, check=True,
+                   capture_output=True)
     for run in range(1, runs + 1):
         shutil.rmtree(folder / "submitted", ignore_errors=True)
         shutil.copytree(folder / "solutions" / lab, folder / "submitted" / "reference" / lab)
         start = time.perf_counter()
         subprocess.run([*nbgrader, "autograde", lab, "--force", "--TrustedMeasurement.reuse_verdicts=False"],
-                       cwd=folder, check=True, capture_output=True)
+                       cwd=folder, env=environment, check=True, capture_output=True)
         seconds = time.perf_counter() - start
         notebook = nbformat.read(folder / "autograded" / "reference" / lab / f"{lab}.ipynb", as_version=4)
         verdicts = {cell.metadata["nbgrader"]["grade_id"]: (cell.outputs[0].get("text") or "\n".join(cell.outputs[0].get("traceback", [])))
