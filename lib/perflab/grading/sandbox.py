@@ -70,8 +70,10 @@ def require_sandbox() -> bool:
 
 def _runtime_paths() -> list[str]:
     """The folders a Python process of this environment reads: its prefix, the standard library, perflab."""
-    paths = {sys.prefix, sys.base_prefix, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-             str(Path(perflab.__file__).resolve().parents[1])}
+    # The interpreter's own folder too (a virtualenv's, which `python -S` does not report as its prefix), and sys.path.
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))),
+             sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], str(Path(perflab.__file__).resolve().parents[1]),
+             *(p for p in sys.path if p)}
     return sorted(p for p in paths if os.path.exists(p))
 
 
