@@ -111,10 +111,16 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+_PRISTINE_PREFIX = "perflab-pristine-"
+
+
 @functools.cache
 def pristine_perflab() -> str:
     """A read-only copy of the perflab package as it is now, in a fresh folder; returns the folder to import from."""
-    folder = tempfile.mkdtemp(prefix="perflab-pristine-")
+    imported_from = Path(perflab.__file__).parents[1]
+    if imported_from.name.startswith(_PRISTINE_PREFIX):  # the trusted grader itself runs from one: no second copy
+        return str(imported_from)
+    folder = tempfile.mkdtemp(prefix=_PRISTINE_PREFIX)
     shutil.copytree(Path(perflab.__file__).parent, Path(folder) / "perflab",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for root, dirs, files in os.walk(folder):
