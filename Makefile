@@ -1,5 +1,6 @@
-# Two commands for a fresh machine:  make lab   (set up, then open the course)
-#                                    make test  (set up, then run the whole test suite)
+# Three commands for a fresh machine:  make lab    (set up, then open the course)
+#                                      make check  (set up, then lint and the fast tests: under 3 minutes)
+#                                      make test   (set up, then run the whole test suite: under 20 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # jupyter refuses to start as root unless told it may (containers, Binder-like machines).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test labs doctor clean
+.PHONY: setup lab check test labs doctor clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +20,12 @@ $(VENV)/.installed: pyproject.toml
 
 lab: setup
 	$(BIN)/jupyter lab $(ROOT_FLAG)
+
+# The fast tier: lint, format, unit tests and doctests; no notebook runs, no grading round trip.
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -m "not slow"
 
 test: setup
 	$(BIN)/python -m pytest

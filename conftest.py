@@ -5,6 +5,13 @@ import pytest
 collect_ignore = ["labs", "submitted", "autograded", "feedback", ".venv"]
 
 
+def pytest_collection_modifyitems(items):
+    # A notebook run under nbval is never part of the fast tier.
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     # Keep each phase's report on the test item, so a fixture can tell whether the test failed

@@ -4,6 +4,7 @@ Instructors run nbgrader from this folder: sources (with solutions and hidden te
 solutions/<lab>/, and `nbgrader generate_assignment <lab> --force` writes the student
 version to labs/<lab>/.
 """
+
 import glob
 from pathlib import Path
 
@@ -30,8 +31,16 @@ for _path in _source_root.glob("*/**/*"):
         elif _path.suffix != ".ipynb":
             _undeclared.add(_path.name)
 if _undeclared & _declared:
-    raise ValueError(f"rename these files: a data file shares its name with an undeclared one: {_undeclared & _declared}")
-c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", *(glob.escape(name) for name in sorted(_undeclared))]
+    raise ValueError(
+        f"rename these files: a data file shares its name with an undeclared one: {_undeclared & _declared}"
+    )
+c.CourseDirectory.ignore = [
+    ".ipynb_checkpoints",
+    "*.pyc",
+    "__pycache__",
+    "feedback",
+    *(glob.escape(name) for name in sorted(_undeclared)),
+]
 
 # Autograde runs each submission's kernel in a bubblewrap sandbox and, before the scores are saved,
 # re-measures every measured cell outside the kernel (perflab.grading; the README's threat model).

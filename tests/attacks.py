@@ -8,27 +8,27 @@ cells (their source, and cells added or deleted) and the files handed in beside 
 measured cell. Lab 09's attacks hand in a trimmed notebook (the expensive read-only runs deleted),
 as a learner may.
 """
+
 from __future__ import annotations
 
 import nbformat
 from nbformat.v4 import new_code_cell
-
 from nbgrader_course import REPO
 
 # A comparison or grade that says "pass" to whoever asks in the kernel.
-FAKE_PASS = '''
+FAKE_PASS = """
 class _Pass:
     passed, status, reasons, speedup, interval = True, "pass", (), 9.9, (9.8, 10.0)
     def __getattr__(self, name):
         return 9.9
     def __repr__(self):
         return "PASS: 9.9x"
-'''
-SLOW_CLOCK = '''
+"""
+SLOW_CLOCK = """
 import time
 _real_clock, _start = time.perf_counter, time.perf_counter()
 time.perf_counter = lambda: _start + (_real_clock() - _start) / 5   # a clock that runs 5x slow
-'''
+"""
 
 
 def _grade_id(cell) -> str | None:
@@ -41,28 +41,36 @@ def _set(notebook, grade_id: str, source: str) -> None:
 
 LAB02 = {
     # The kernel's clock and perflab.compare lie; preprocess_fast is the original, no faster.
-    "patched_instruments": {"preprocess_fast": FAKE_PASS + SLOW_CLOCK + '''
+    "patched_instruments": {
+        "preprocess_fast": FAKE_PASS
+        + SLOW_CLOCK
+        + """
 import perflab
 perflab.compare = lambda *args, **kwargs: _Pass()
 
 
 def preprocess_fast(image, index):
     return preprocess(image, index)
-'''},
+"""
+    },
     # Results from a table instead of training: instant, and wrong for the grader's seeds.
-    "fake_results": {"preprocess_fast": '''
+    "fake_results": {
+        "preprocess_fast": """
 def preprocess_fast(image, index):
     return preprocess(image, index)
 
 
 def run_pipeline(steps=STEPS, transform=preprocess, seed=0):
     return [2.3] * steps, 0
-'''},
+"""
+    },
 }
 
 LAB03 = {
     # Honest but slow: each crop built row by row in Python; the kernel's meter is replaced too.
-    "row_by_row": {"batch_crop_flip": FAKE_PASS + '''
+    "row_by_row": {
+        "batch_crop_flip": FAKE_PASS
+        + """
 measure_against_ceiling = lambda *args, **kwargs: type("Fake", (), {"share": lambda self, name: 1.0})()
 
 
@@ -75,9 +83,11 @@ def batch_crop_flip(images, generator):
         crop = torch.stack([image[:, top + row, left:left + 32] for row in range(32)], dim=1)
         out.append(crop.flip(-1) if flip else crop)
     return torch.stack(out)
-'''},
+"""
+    },
     # The first epoch made once, then replayed for every seed: no work per batch at all.
-    "replayed_epochs": {"fast_epoch": '''
+    "replayed_epochs": {
+        "fast_epoch": """
 _replay = []
 
 
@@ -89,12 +99,15 @@ def fast_epoch(images, labels, *, batch_size, seed):
             index = order[start:start + batch_size]
             _replay.append((batch_crop_flip(images.index_select(0, index), generator), labels.index_select(0, index)))
     return iter(_replay)
-'''},
+"""
+    },
 }
 
 LAB06 = {
     # Not compiled at all; in the grader's process it forks two CPU hogs to slow the other side down.
-    "eager_with_hogs": {"compiled_training_step": FAKE_PASS + '''
+    "eager_with_hogs": {
+        "compiled_training_step": FAKE_PASS
+        + """
 import os
 import sys
 
@@ -110,9 +123,11 @@ if "ipykernel" not in sys.modules:   # only in the grader's process
 
 def compiled_training_step(model, optimizer):
     return eager_training_step(model, optimizer)
-'''},
+"""
+    },
     # Fast because it skips the backward pass and the update: the losses stop falling.
-    "no_update": {"compiled_training_step": '''
+    "no_update": {
+        "compiled_training_step": """
 def compiled_training_step(model, optimizer):
     compiled = torch.compile(model, fullgraph=True)
 
@@ -120,25 +135,27 @@ def compiled_training_step(model, optimizer):
         with torch.no_grad():
             return F.mse_loss(compiled(inputs), targets)
     return step
-'''},
+"""
+    },
 }
 
 # Lab 09: every configuration the naive one (none of them an answer) unless the attack says otherwise.
-NAIVE_CONFIGS = '''
+NAIVE_CONFIGS = """
 data_config = replace(NAIVE, name="decode once, no syncs")
 batch_config = replace(NAIVE, name="batch 64")
 amp_config = replace(NAIVE, name="bf16")
 ckpt_config = replace(NAIVE, name="checkpointed")
 final_config = replace(NAIVE, name="final")
 KEEP_AMP = False
-'''
+"""
 TOO_SLOW = 'final_config = replace(NAIVE, name="final", log_every=100, python_metrics=False)\n'
 LAB09 = {
-    "grade_replaced": FAKE_PASS + '''
+    "grade_replaced": FAKE_PASS
+    + """
 import perflab.capstone
 perflab.capstone.grade = lambda *args, **kwargs: _Pass()
-''',
-    "popen_replaced": '''
+""",
+    "popen_replaced": """
 import io
 import json
 import subprocess
@@ -155,16 +172,18 @@ class _Popen:
 
 
 subprocess.Popen = _Popen
-''',
-    "clock_patched": FAKE_PASS + SLOW_CLOCK + '''
+""",
+    "clock_patched": FAKE_PASS
+    + SLOW_CLOCK
+    + """
 time.monotonic = time.perf_counter
 import perflab.train
 perflab.compare = lambda *args, **kwargs: _Pass()
 perflab.train.train = lambda *args, **kwargs: _Pass()
-''',
+""",
     "shadow_module": "",  # the files below do it
     # Another task: smaller, easier images, a wider stem, a validation set of the notebook's own; a batch of 512.
-    "workload_reassigned": '''
+    "workload_reassigned": """
 import os
 import pickle
 import numpy as np
@@ -178,10 +197,12 @@ for name, count in (("data_batch_1", 5000), ("test_batch", 1000)):   # one solid
         pickle.dump({b"data": pixels, b"labels": labels}, file)
 workload = replace(workload, image_size=16, val_per_class=10, cifar10_dir="easy_cifar",
                    model=ResNetConfig(stem_stride=1))
-''' + 'final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=512, log_every=100)\n',
+"""
+    + 'final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=512, log_every=100)\n',
     "memory_pipeline": 'final_config = replace(NAIVE, name="final", pipeline="memory", batch_size=64, log_every=50)\n',
     # Appends to perflab's installed source and writes a sitecustomize.py: read-only in the sandbox.
-    "writes_grader": TOO_SLOW + '''
+    "writes_grader": TOO_SLOW
+    + """
 import os
 import sysconfig
 
@@ -196,7 +217,7 @@ for path, text in ((perflab.capstone.__file__, "\\nMIN_SPEEDUP = 1.0\\n"),
         print("wrote", path)
     except OSError as error:
         print("could not write:", error)
-''',
+""",
     "too_slow": TOO_SLOW,
 }
 SHADOW_PERFLAB = '''"""Not the course's perflab: a package of the same name beside the notebook, which the kernel imports first."""
@@ -235,7 +256,12 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
     kept = []
     for cell in notebook.cells:
         nbgrader = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and nbgrader.get("locked") and not nbgrader.get("grade") and _grade_id(cell) not in LAB09_KEPT:
+        if (
+            cell.cell_type == "code"
+            and nbgrader.get("locked")
+            and not nbgrader.get("grade")
+            and _grade_id(cell) not in LAB09_KEPT
+        ):
             continue  # a learner may delete read-only cells; these train for minutes
         kept.append(cell)
         if _grade_id(cell) == "setup":

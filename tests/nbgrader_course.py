@@ -1,8 +1,9 @@
 """A throwaway nbgrader course built from this repository, for the grading tests.
 
-    course = NbgraderCourse.copy_of_repo(tmp_path)
-    course.run("generate_assignment", "lab01_timing", "--force")
+course = NbgraderCourse.copy_of_repo(tmp_path)
+course.run("generate_assignment", "lab01_timing", "--force")
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ import sys
 from pathlib import Path
 
 import nbformat
-
 from perflab.grading.sandbox import SANDBOX_ENV_VAR, bwrap_works
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,11 +24,13 @@ class NbgraderCourse:
         self.root = root
 
     @classmethod
-    def copy_of_repo(cls, parent: Path) -> "NbgraderCourse":
+    def copy_of_repo(cls, parent: Path) -> NbgraderCourse:
         root = parent / "course"
         root.mkdir()
         shutil.copy(REPO / "nbgrader_config.py", root)
-        shutil.copytree(REPO / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        shutil.copytree(
+            REPO / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
+        )
         return cls(root)
 
     def run(self, *args: str, timeout: float = 900) -> str:
@@ -39,8 +41,12 @@ class NbgraderCourse:
         if not bwrap_works():  # the tests that need the sandbox skip, saying so; the rest grade without it
             env[SANDBOX_ENV_VAR] = "0"
         completed = subprocess.run(
-            [str(bin_dir / "nbgrader"), *args], cwd=self.root, env=env,
-            capture_output=True, text=True, timeout=timeout,
+            [str(bin_dir / "nbgrader"), *args],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         output = completed.stdout + completed.stderr
         if completed.returncode != 0:

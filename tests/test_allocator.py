@@ -1,12 +1,12 @@
 """perflab.allocator: page faults counted, and freed memory kept in the process where glibc allows it."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import pytest
-
 import perflab.allocator as allocator
+import pytest
 from perflab.allocator import keep_freed_memory, page_faults
 
 # In a fresh interpreter, without importing perflab (and torch): glibc's thresholds start at their defaults.
@@ -31,10 +31,13 @@ print(before, kept, churn())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or allocator.resource is None, reason="glibc's mallopt: Linux only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or allocator.resource is None, reason="glibc's mallopt: Linux only"
+)
 def test_kept_memory_is_reused_instead_of_faulted_in_again():
-    completed = subprocess.run([sys.executable, "-c", CHURN, allocator.__file__], capture_output=True, text=True,
-                               timeout=60, check=True)
+    completed = subprocess.run(
+        [sys.executable, "-c", CHURN, allocator.__file__], capture_output=True, text=True, timeout=60, check=True
+    )
     before, kept, after = completed.stdout.split()
     if kept != "True":
         pytest.skip("this C library has no mallopt (not glibc)")

@@ -1,10 +1,10 @@
 """perflab.amp: what autocast does to each operation, read off real outputs."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from perflab.amp import DEFAULT_OPS, autocast_dtypes
 
 
@@ -30,7 +30,11 @@ def test_losses_are_raised_to_float32(cpu_bfloat16):
 def test_other_ops_follow_their_inputs(cpu_bfloat16):
     relu = cpu_bfloat16["relu"]
     assert (relu.from_float32, relu.from_low, relu.without_autocast, relu.effect) == (
-        torch.float32, torch.bfloat16, torch.bfloat16, "unchanged")
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        "unchanged",
+    )
     # A float32 operand promotes the sum to float32 with or without autocast: type promotion, not autocast.
     add = cpu_bfloat16["add"]
     assert add.from_low == add.without_autocast == torch.float32 and add.effect == "unchanged"

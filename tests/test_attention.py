@@ -1,9 +1,9 @@
 """perflab.attention: SDPA's backends measured, the largest tensor a block makes, memory and time against T."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from perflab.attention import attention_curves, largest_new_tensor, sdpa_backends
 from perflab.models.gpt import naive_attention, sdpa_attention, tiled_attention
 
@@ -62,8 +62,14 @@ def test_largest_new_tensor_finds_the_score_matrix_and_ignores_views_and_inputs(
 
 
 def test_curves_see_naive_memory_grow_quadratically_and_tiled_linearly():
-    curves = attention_curves({"naive": naive_attention, "tiled": tiled_attention}, (256, 512, 1024),
-                              heads=2, head_dim=16, device="cpu", repeats=None)
+    curves = attention_curves(
+        {"naive": naive_attention, "tiled": tiled_attention},
+        (256, 512, 1024),
+        heads=2,
+        head_dim=16,
+        device="cpu",
+        repeats=None,
+    )
     assert all(3.5 < growth < 4.5 for growth in curves.growth("naive"))
     assert all(1.0 < growth < 2.6 for growth in curves.growth("tiled"))
     assert curves.times == {} and curves.allocator_bytes == {}
@@ -91,11 +97,14 @@ def test_timed_curves_have_a_timing_per_length_and_a_labelled_figure():
     assert "<table>" in curves._repr_html_()
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: attention_curves({}, (64,)), "at least one implementation"),
-    (lambda: attention_curves({"naive": naive_attention}, ()), "lengths"),
-    (lambda: attention_curves({"naive": naive_attention}, (64, 0)), "lengths"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: attention_curves({}, (64,)), "at least one implementation"),
+        (lambda: attention_curves({"naive": naive_attention}, ()), "lengths"),
+        (lambda: attention_curves({"naive": naive_attention}, (64, 0)), "lengths"),
+    ],
+)
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()

@@ -4,10 +4,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from torch.utils.benchmark import Compare
-
 from perflab.bench import Comparison, Timing, benchmark, compare, format_seconds, median_confidence_interval
+from torch.utils.benchmark import Compare
 
 
 def test_timing_statistics_match_numpy():
@@ -60,9 +58,14 @@ def test_benchmark_runs_at_the_current_thread_count():
     assert set(seen) == {threads} and timing.num_threads == threads
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(repeats=0), "repeats"), (dict(warmup=-1), "warmup"), (dict(min_sample_s=0), "min_sample_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(repeats=0), "repeats"),
+        (dict(warmup=-1), "warmup"),
+        (dict(min_sample_s=0), "min_sample_s"),
+    ],
+)
 def test_benchmark_rejects_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         benchmark(lambda: None, **kwargs)
@@ -93,8 +96,12 @@ def test_median_interval_covers_the_true_median_about_as_often_as_promised():
 def test_compare_finds_a_real_speedup_and_interleaves():
     order = []
     comparison = compare(
-        lambda: (order.append("a"), time.sleep(0.004)), lambda: (order.append("b"), time.sleep(0.001)),
-        labels=("slow", "fast"), repeats=7, warmup=0, min_sample_s=1e-4,
+        lambda: (order.append("a"), time.sleep(0.004)),
+        lambda: (order.append("b"), time.sleep(0.001)),
+        labels=("slow", "fast"),
+        repeats=7,
+        warmup=0,
+        min_sample_s=1e-4,
     )
     assert 2.5 < comparison.speedup < 5
     low, high = comparison.interval
@@ -106,7 +113,9 @@ def test_compare_finds_a_real_speedup_and_interleaves():
 
 
 def test_compare_says_when_there_is_no_clear_difference():
-    work = lambda: time.sleep(0.002)
+    def work():
+        time.sleep(0.002)
+
     comparison = compare(work, work, repeats=9, warmup=0)
     assert 0.9 < comparison.speedup < 1.1
     assert comparison.verdict == "no clear difference"
@@ -125,8 +134,7 @@ def test_comparison_needs_paired_samples():
 
 
 def test_timings_tabulate_with_torch_benchmark_compare():
-    timings = [Timing(label, (1e-3 * scale, 1.1e-3 * scale))
-               for label, scale in (("small", 1), ("large", 8))]
+    timings = [Timing(label, (1e-3 * scale, 1.1e-3 * scale)) for label, scale in (("small", 1), ("large", 8))]
     compare_table = Compare([t.to_measurement(table="matmul") for t in timings])
     text = str(compare_table)
     assert "small" in text and "large" in text and "matmul" in text

@@ -4,6 +4,7 @@ Needs the ``playwright`` package (the ``test`` extra) and a system Chromium (Deb
 ``apt-get install chromium``; ``.ci/run`` installs it). Nothing is downloaded at run time:
 Playwright drives the system browser. On failure a screenshot is saved and its path printed.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from nbgrader_course import REPO
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH: apt-get install chromium (Debian/Ubuntu)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium on PATH: apt-get install chromium (Debian/Ubuntu)"
+)
 
 START_TIMEOUT_S = 90
 CELL_TIMEOUT_MS = 180_000
@@ -48,14 +50,29 @@ def jupyterlab(tmp_path_factory):
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port = _free_port()
     bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
+    env = dict(
+        os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", JUPYTER_RUNTIME_DIR=str(root / ".runtime")
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
-         f"--ServerApp.root_dir={root}", f"--LabApp.user_settings_dir={root / '.settings'}",
-         f"--LabApp.workspaces_dir={root / '.workspaces'}"],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"),
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            "--IdentityProvider.token=",
+            "--ServerApp.password=",
+            f"--ServerApp.root_dir={root}",
+            f"--LabApp.user_settings_dir={root / '.settings'}",
+            f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,7 +109,9 @@ def page(jupyterlab, tmp_path, request):
 def _open_notebook(page, url: str, path: str):
     page.goto(f"{url}/lab/tree/{path}")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for()
-    page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(timeout=START_TIMEOUT_S * 1000)
+    page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
+        timeout=START_TIMEOUT_S * 1000
+    )
 
 
 def _start(page, action, prompt):
@@ -147,12 +166,14 @@ def test_lab01_runs_to_its_not_implemented_error_and_validates(jupyterlab, page)
 def _result_changes(page, explorer, interact) -> str:
     """Wait for the explorer's result, ``interact`` with it, and return the result once it changed."""
     result = explorer.locator(".widget-html-content").last  # the result sits below the controls
-    page.wait_for_function("element => element.innerText.trim() !== ''", arg=result.element_handle(),
-                           timeout=CELL_TIMEOUT_MS)
+    page.wait_for_function(
+        "element => element.innerText.trim() !== ''", arg=result.element_handle(), timeout=CELL_TIMEOUT_MS
+    )
     before = result.inner_text()
     interact()
-    page.wait_for_function("([element, old]) => element.innerText !== old", arg=[result.element_handle(), before],
-                           timeout=CELL_TIMEOUT_MS)
+    page.wait_for_function(
+        "([element, old]) => element.innerText !== old", arg=[result.element_handle(), before], timeout=CELL_TIMEOUT_MS
+    )
     return result.inner_text()
 
 

@@ -1,4 +1,5 @@
 """The capstone's grader re-measures a configuration on the course's workload in its own process."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,25 +8,37 @@ import time
 from dataclasses import replace
 
 import nbformat
+import perflab.train
 import pytest
 import torch
-
-import perflab.train
 from nbgrader_course import REPO
 from perflab.capstone import COURSE_WORKLOAD, CapstoneBenchmark, grade
 from perflab.grading.answers import handed_in, train_config
 from perflab.grading.capstone_lab import grade_capstone_lab
 from perflab.train import NAIVE, OPTIMIZED
 
-ENVIRONMENT = {"device": "cpu", "device_name": "test CPU", "threads": 2, "torch": "x", "date": "d", "commit": "c", "python": "3"}
+ENVIRONMENT = {
+    "device": "cpu",
+    "device_name": "test CPU",
+    "threads": 2,
+    "torch": "x",
+    "date": "d",
+    "commit": "c",
+    "python": "3",
+}
 
 
 def test_benchmark_prints_each_figure_and_ends_with_the_speedup():
     result = CapstoneBenchmark(
         names=("naive", "optimized", "optimized ceiling"),
         # per-round ratios 4.0, 4.0, 3.33, 4.1, 4.3: their median, 4.00x, is not the ratio of medians, 4.10x
-        samples_per_s=((1000.0, 1100.0, 900.0, 1000.0, 1000.0), (4000.0, 4400.0, 3000.0, 4100.0, 4300.0), (4200.0,) * 5),
-        accuracies=(0.97, 0.96, None), environment=ENVIRONMENT,
+        samples_per_s=(
+            (1000.0, 1100.0, 900.0, 1000.0, 1000.0),
+            (4000.0, 4400.0, 3000.0, 4100.0, 4300.0),
+            (4200.0,) * 5,
+        ),
+        accuracies=(0.97, 0.96, None),
+        environment=ENVIRONMENT,
     )
     text = str(result)
     assert text.splitlines()[-1] == "speedup 4.00x"
@@ -36,7 +49,9 @@ def test_benchmark_prints_each_figure_and_ends_with_the_speedup():
 
 
 def test_bench_command_offers_the_capstone():
-    help_text = subprocess.run([sys.executable, "-m", "perflab", "bench", "--help"], capture_output=True, text=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "perflab", "bench", "--help"], capture_output=True, text=True
+    ).stdout
     assert "capstone" in help_text and "--json" in help_text
 
 
@@ -68,9 +83,16 @@ def test_grader_fails_a_patched_clock(monkeypatch):
 def test_grading_cell_hands_over_the_config_and_nothing_else(capsys):
     """The lab's hidden grading cell, run on a notebook that types its speedup: only final_config reaches the grader."""
     notebook = nbformat.read(REPO / "solutions" / "lab09_capstone" / "lab09_capstone.ipynb", as_version=4)
-    grading_cell = next(cell.source for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "test_regrade")
-    namespace = {"final_config": replace(NAIVE, name="final"), "workload": replace(COURSE_WORKLOAD, image_size=16),
-                 "speedup": 3.5, "MIN_SPEEDUP": 1.0, "samples_per_s": 99_999.0}
+    grading_cell = next(
+        cell.source for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "test_regrade"
+    )
+    namespace = {
+        "final_config": replace(NAIVE, name="final"),
+        "workload": replace(COURSE_WORKLOAD, image_size=16),
+        "speedup": 3.5,
+        "MIN_SPEEDUP": 1.0,
+        "samples_per_s": 99_999.0,
+    }
     exec(grading_cell, namespace)
     answers = handed_in([{"output_type": "stream", "name": "stdout", "text": capsys.readouterr().out}])
     assert list(answers) == ["final_config"] and train_config(answers["final_config"]) == replace(NAIVE, name="final")

@@ -1,4 +1,5 @@
 """perflab.ceiling: input pipelines timed against the same step on batches already in memory, interleaved."""
+
 from __future__ import annotations
 
 import time
@@ -6,7 +7,6 @@ import time
 import matplotlib
 import pytest
 import torch
-
 from perflab.ceiling import CEILING, measure_against_ceiling, time_epoch
 from perflab.plots import ceiling_chart
 
@@ -37,7 +37,11 @@ def test_time_epoch_counts_samples_steps_and_waiting():
 def test_a_pipeline_that_makes_the_step_wait_gets_a_smaller_share():
     measured = measure_against_ceiling(
         {"waits as long as a step": lambda seed: batches(4, delay_s=STEP_S), "instant": lambda seed: batches(4)},
-        step, CEILING_BATCHES, rounds=3, device="cpu")
+        step,
+        CEILING_BATCHES,
+        rounds=3,
+        device="cpu",
+    )
     assert measured.names == ("waits as long as a step", "instant") and measured.rounds == 3
     assert 0.3 < measured.share("waits as long as a step") < 0.7
     assert measured.share("instant") > 0.8
@@ -51,14 +55,21 @@ def test_a_pipeline_that_makes_the_step_wait_gets_a_smaller_share():
 
 
 def test_step_by_step_pairs_each_step_with_a_ceiling_step():
-    measured = measure_against_ceiling({"waits half a step": lambda seed: batches(5, delay_s=STEP_S / 2)}, step,
-                                       CEILING_BATCHES, rounds=3, interleave="steps", device="cpu")
+    measured = measure_against_ceiling(
+        {"waits half a step": lambda seed: batches(5, delay_s=STEP_S / 2)},
+        step,
+        CEILING_BATCHES,
+        rounds=3,
+        interleave="steps",
+        device="cpu",
+    )
     assert 0.5 < measured.share("waits half a step") < 0.8
     pipeline, ceiling = measured.epochs["waits half a step"][0], measured.ceilings["waits half a step"][0]
     assert pipeline.steps == ceiling.steps == 5 and ceiling.samples == 5 * 4
     assert "step by step" in str(measured)
-    cut = measure_against_ceiling({"p": lambda seed: batches(5)}, step, CEILING_BATCHES, rounds=1, max_steps=2,
-                                  interleave="steps", device="cpu")
+    cut = measure_against_ceiling(
+        {"p": lambda seed: batches(5)}, step, CEILING_BATCHES, rounds=1, max_steps=2, interleave="steps", device="cpu"
+    )
     assert cut.epochs["p"][0].steps == 2
 
 
@@ -73,30 +84,44 @@ def test_each_round_gets_its_own_seed():
     assert seeds[1:] == [0, 1, 2] and seeds[0] not in seeds[1:], "a warm-up epoch, then one seed per round"
 
 
-@pytest.mark.parametrize("pipelines, ceiling, message", [
-    ({}, CEILING_BATCHES, "at least one pipeline"),
-    ({CEILING: lambda seed: batches(1)}, CEILING_BATCHES, "ceiling"),
-    ({"p": lambda seed: batches(1)}, [], "ceiling batch"),
-    ({"empty": lambda seed: batches(0)}, CEILING_BATCHES, "gave no batch"),
-])
+@pytest.mark.parametrize(
+    "pipelines, ceiling, message",
+    [
+        ({}, CEILING_BATCHES, "at least one pipeline"),
+        ({CEILING: lambda seed: batches(1)}, CEILING_BATCHES, "ceiling"),
+        ({"p": lambda seed: batches(1)}, [], "ceiling batch"),
+        ({"empty": lambda seed: batches(0)}, CEILING_BATCHES, "gave no batch"),
+    ],
+)
 def test_bad_input_is_refused(pipelines, ceiling, message):
     with pytest.raises(ValueError, match=message):
         measure_against_ceiling(pipelines, step, ceiling, rounds=1, device="cpu")
     with pytest.raises(ValueError, match="gave no batch"):
-        measure_against_ceiling({"empty": lambda seed: batches(0)}, step, CEILING_BATCHES, interleave="steps", device="cpu")
+        measure_against_ceiling(
+            {"empty": lambda seed: batches(0)}, step, CEILING_BATCHES, interleave="steps", device="cpu"
+        )
     with pytest.raises(ValueError, match="interleave"):
-        measure_against_ceiling({"p": lambda seed: batches(1)}, step, CEILING_BATCHES, interleave="rounds", device="cpu")
+        measure_against_ceiling(
+            {"p": lambda seed: batches(1)}, step, CEILING_BATCHES, interleave="rounds", device="cpu"
+        )
 
 
 def test_step_by_step_is_refused_where_the_host_runs_ahead_of_the_device(monkeypatch):
     monkeypatch.setattr("perflab.ceiling.pick_device", lambda device: torch.device("cuda"))
     with pytest.raises(ValueError, match="interleave"):
-        measure_against_ceiling({"p": lambda seed: batches(1)}, step, CEILING_BATCHES, interleave="steps", device="cuda")
+        measure_against_ceiling(
+            {"p": lambda seed: batches(1)}, step, CEILING_BATCHES, interleave="steps", device="cuda"
+        )
 
 
 def test_chart_draws_one_bar_per_pipeline_and_the_ceiling_as_a_line():
-    measured = measure_against_ceiling({"a": lambda seed: batches(2), "b": lambda seed: batches(2, delay_s=0.002)},
-                                       step, CEILING_BATCHES, rounds=1, device="cpu")
+    measured = measure_against_ceiling(
+        {"a": lambda seed: batches(2), "b": lambda seed: batches(2, delay_s=0.002)},
+        step,
+        CEILING_BATCHES,
+        rounds=1,
+        device="cpu",
+    )
     figure = ceiling_chart(measured)
     ax = figure.axes[0]
     assert len(ax.patches) == 2 and len(ax.lines) == 1

@@ -1,16 +1,16 @@
 """perflab.checkpoint: a resumed run continues bit for bit, a crash mid-save keeps the last good state."""
+
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
 import numpy as np
+import perflab.checkpoint
 import pytest
 import torch
-from torch import nn
-
-import perflab.checkpoint
 from perflab.checkpoint import load_training_state, save_training_state
+from torch import nn
 
 STEPS, CRASH_AT, BATCH = 24, 11, 16
 
@@ -26,7 +26,7 @@ class Run:
     shuffle: torch.Generator
 
     @classmethod
-    def fresh(cls, seed: int) -> "Run":
+    def fresh(cls, seed: int) -> Run:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))  # dropout: torch's RNG
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -45,8 +45,13 @@ class Run:
         return loss.item()
 
     def objects(self) -> dict:
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
-                "generators": {"shuffle": self.shuffle}}
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "generators": {"shuffle": self.shuffle},
+        }
 
 
 @pytest.fixture
@@ -92,8 +97,12 @@ def test_a_resumed_run_continues_exactly(tmp_path, problem):
 def test_without_the_random_states_the_run_would_diverge(tmp_path, problem):
     """The control: the same resume, minus the generators and global RNGs, is not the same run."""
     _, uninterrupted, first, losses = _uninterrupted_and_interrupted(problem)
-    weights_only = {"model": first.model.state_dict(), "optimizer": first.optimizer.state_dict(),
-                    "scheduler": first.scheduler.state_dict(), "scaler": first.scaler.state_dict()}
+    weights_only = {
+        "model": first.model.state_dict(),
+        "optimizer": first.optimizer.state_dict(),
+        "scheduler": first.scheduler.state_dict(),
+        "scaler": first.scaler.state_dict(),
+    }
     resumed = Run.fresh(seed=99)
     _seed_global_rngs(99)
     for name, state in weights_only.items():

@@ -3,13 +3,13 @@
 Nothing here runs Inductor (each compilation would take seconds): Dynamo traces with the "eager"
 backend, and the generated-code parser reads modules laid out as Inductor writes them.
 """
+
 import inspect
 import math
 
 import matplotlib
 import pytest
 import torch
-
 from perflab.bench import Comparison, Timing
 from perflab.compiling import CompileCost, GeneratedCode, compile_cost, graph_breaks
 from perflab.plots import break_even_chart
@@ -67,7 +67,7 @@ def test_break_even_is_compile_time_over_the_saving_per_call():
 
 
 def test_no_measurable_saving_never_breaks_even():
-    for eager_s in (0.010, 0.0101, 0.009):   # the same, within the 2% noise floor, slower
+    for eager_s in (0.010, 0.0101, 0.009):  # the same, within the 2% noise floor, slower
         flat = cost(first_call=1.0, eager_s=eager_s, compiled_s=0.010)
         assert not flat.pays_off and flat.break_even_calls == math.inf
         assert "never pays off" in repr(flat)
@@ -76,7 +76,7 @@ def test_no_measurable_saving_never_breaks_even():
 def test_compile_cost_times_the_first_call_and_rejects_one_that_compiled_nothing():
     torch.compiler.reset()
     x = torch.randn(64, 64)
-    compiled = torch.compile(no_break, backend="eager")   # Dynamo only: quick, and no faster than eager
+    compiled = torch.compile(no_break, backend="eager")  # Dynamo only: quick, and no faster than eager
     with pytest.raises(ValueError, match="too few"):
         compile_cost(lambda: no_break(x), lambda: compiled(x), repeats=3)
     measured = compile_cost(lambda: no_break(x), lambda: compiled(x), repeats=7, warmup=1)
@@ -166,7 +166,7 @@ def test_generated_code_finds_the_kernels_and_what_each_module_runs():
 def test_break_even_chart_draws_one_panel_per_cost():
     figure = break_even_chart({"fused": cost(2.01, 0.03, 0.01), "matmul": cost(1.0, 0.01, 0.01)}, caption="test run")
     paying, flat = figure.axes
-    assert len(paying.lines) == 3 and paying.lines[2].get_xdata()[0] == 100   # eager, compiled, break-even
+    assert len(paying.lines) == 3 and paying.lines[2].get_xdata()[0] == 100  # eager, compiled, break-even
     assert len(flat.lines) == 2 and any("never breaks even" in text.get_text() for text in flat.texts)
     assert "total time (s)" in paying.get_ylabel() and paying.get_title() == "fused"
     assert any(text.get_text() == "test run" for text in figure.texts)

@@ -1,4 +1,5 @@
 """perflab.data: generated image folders and CIFAR-10 conversion, decoding, the text corpus and its batches."""
+
 from __future__ import annotations
 
 import math
@@ -12,16 +13,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from perflab.data import (
+    CharTokenizer,
+    char_corpus,
+    cifar10_image_folder,
+    decode_all,
+    export_formats,
+    get_batch,
+    images,
+    make_image_folder,
+    make_text,
+)
+from perflab.train import OPTIMIZED, Workload, train
 from PIL import Image
 from torch import nn
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
-
-from perflab.data import (
-    CharTokenizer, char_corpus, cifar10_image_folder, decode_all, export_formats, get_batch, images, make_image_folder,
-    make_text,
-)
-from perflab.train import OPTIMIZED, Workload, train
 
 SMALL = dict(train_per_class=3, val_per_class=2, image_size=32, progress=False)
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -164,8 +171,10 @@ def test_cifar_converts_to_the_same_layout_with_labels_and_pixels_intact(tmp_pat
         # decode_all orders by class, then by index within the class: file order.
         expected = sorted(originals[split], key=lambda pair: pair[0])
         assert labels.tolist() == [label for label, _ in expected]
-        errors = [np.abs(decoded[k].permute(1, 2, 0).numpy().astype(int) - image).mean()
-                  for k, (_, image) in enumerate(expected)]
+        errors = [
+            np.abs(decoded[k].permute(1, 2, 0).numpy().astype(int) - image).mean()
+            for k, (_, image) in enumerate(expected)
+        ]
         # JPEG at quality 90 with 4:2:0 chroma costs these 2-3 grey levels; a wrong pixel layout costs tens.
         assert max(errors) < 5, f"JPEG round trip off by {max(errors):.1f} grey levels on average"
     subset = cifar10_image_folder(folder, tmp_path / "cache", train_per_class=2, progress=False)
@@ -177,8 +186,9 @@ def test_cifar_converts_to_the_same_layout_with_labels_and_pixels_intact(tmp_pat
 
 def test_training_runs_on_cifar_when_the_learner_has_it(tmp_path, cifar_dir, monkeypatch):
     monkeypatch.setenv("PERFLAB_DATA", str(tmp_path / "cache"))
-    result = train(OPTIMIZED, Workload(cifar10_dir=str(cifar_dir[0]), train_per_class=4, val_per_class=2, epochs=1),
-                   progress=False)
+    result = train(
+        OPTIMIZED, Workload(cifar10_dir=str(cifar_dir[0]), train_per_class=4, val_per_class=2, epochs=1), progress=False
+    )
     assert result.samples == 40 and 0 <= result.val_accuracy <= 1
 
 

@@ -1,4 +1,5 @@
 """perflab.diagnose on one planted run of each kind of bottleneck (perflab.planted), each named from its own profile."""
+
 from __future__ import annotations
 
 import functools
@@ -6,11 +7,10 @@ import html
 
 import pytest
 import torch
-from torch.profiler import profile
-
 from perflab.diagnose import KINDS, Diagnosis, diagnose
 from perflab.planted import PLANTED_KINDS, planted_run
 from perflab.plots import diagnosis_shares
+from torch.profiler import profile
 
 pytestmark = pytest.mark.usefixtures("private_data_cache")  # conftest.py
 

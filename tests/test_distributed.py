@@ -1,4 +1,5 @@
 """perflab.distributed: torchrun jobs from a notebook, their failures, their time limit, and one-rank runs."""
+
 from __future__ import annotations
 
 import json
@@ -6,16 +7,15 @@ import os
 import sys
 import textwrap
 
+import perflab.distributed
 import psutil
 import pytest
 import torch.distributed as dist
-
-import perflab.distributed
 from perflab.distributed import LaunchFailed, launch, run_as_one_rank
 
 # Rank 1 crashes, but its process lingers (a slow teardown), so rank 0, failing right after it as a rank does
 # when its peer is gone, is the first process torchrun sees exit. The error files' times say who failed first.
-CRASHING = textwrap.dedent('''
+CRASHING = textwrap.dedent("""
     import os, sys, threading, time
     from pathlib import Path
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -33,7 +33,7 @@ CRASHING = textwrap.dedent('''
         raise ConnectionError("peer gone")
 
     main()
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +72,22 @@ def test_a_hung_job_is_killed_with_all_its_processes(tmp_path, monkeypatch):
     # A stand-in for torchrun that, like it, starts its worker in a session of its own, and then both hang.
     pid_file = tmp_path / "worker.pid"
     hanging_launcher = tmp_path / "launcher.py"
-    hanging_launcher.write_text(textwrap.dedent(f'''
+    hanging_launcher.write_text(
+        textwrap.dedent(f"""
         import subprocess, sys, time
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         open({str(pid_file)!r}, "w").write(str(worker.pid))
         print("worker started", flush=True)
         time.sleep(600)
-    '''))
+    """)
+    )
     script = tmp_path / "script.py"
     script.write_text("")
-    monkeypatch.setattr(perflab.distributed, "torchrun_command",
-                        lambda script, args, nproc, log_dir: [sys.executable, str(hanging_launcher)])
+    monkeypatch.setattr(
+        perflab.distributed,
+        "torchrun_command",
+        lambda script, args, nproc, log_dir: [sys.executable, str(hanging_launcher)],
+    )
     run = launch(script, nproc=2, timeout_s=2)
     assert run.timed_out and not run.ok and run.returncode is None
     assert 2 <= run.seconds < 2 + 5 + 3, "killed when the limit passed, after at most the grace period"
@@ -106,7 +111,7 @@ def test_launch_needs_a_script(tmp_path):
         launch(tmp_path / "missing.py")
 
 
-ONE_RANK = textwrap.dedent('''
+ONE_RANK = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
@@ -118,7 +123,7 @@ ONE_RANK = textwrap.dedent('''
         raise ValueError("failed inside the rank")
     dist.destroy_process_group()
     open(sys.argv[1], "w").write(json.dumps(record))
-''')
+""")
 
 
 def test_run_as_one_rank_runs_the_script_here_as_a_world_of_one(tmp_path, monkeypatch):
@@ -128,8 +133,14 @@ def test_run_as_one_rank_runs_the_script_here_as_a_world_of_one(tmp_path, monkey
     argv, path = list(sys.argv), list(sys.path)
     run_as_one_rank(script, tmp_path / "out.json")
     record = json.loads((tmp_path / "out.json").read_text())
-    assert record == {"rank": 0, "world": 1, "total": 3.0, "argv": [str(tmp_path / "out.json")], "local_rank": "0",
-                      "first_path": str(tmp_path)}
+    assert record == {
+        "rank": 0,
+        "world": 1,
+        "total": 3.0,
+        "argv": [str(tmp_path / "out.json")],
+        "local_rank": "0",
+        "first_path": str(tmp_path),
+    }
     assert "RANK" not in os.environ and sys.argv == argv and sys.path == path
 
 

@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import torch
-
 from perflab.doctor import DoctorReport, distributed_checks, dtype_speed_checks, sdpa_checks
 
 
@@ -10,10 +9,19 @@ def test_python_m_perflab_doctor_prints_the_whole_table():
     completed = subprocess.run([sys.executable, "-m", "perflab", "doctor"], capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr
     table = completed.stdout
-    for expected in ("| section | check | result |", "torch", "CPU cores usable", "matmul 512x512 bf16",
-                     "SDPA math", "torch.compile", "gloo"):
+    for expected in (
+        "| section | check | result |",
+        "torch",
+        "CPU cores usable",
+        "matmul 512x512 bf16",
+        "SDPA math",
+        "torch.compile",
+        "gloo",
+    ):
         assert expected in table, f"{expected!r} missing from:\n{table}"
-    assert "fails" not in table.split("torch.compile", 1)[1].splitlines()[0], "torch.compile should work on the course machines"
+    assert "fails" not in table.split("torch.compile", 1)[1].splitlines()[0], (
+        "torch.compile should work on the course machines"
+    )
 
 
 def test_precision_rows_report_a_measured_speed_ratio():

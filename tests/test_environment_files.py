@@ -1,9 +1,9 @@
 """pyproject.toml, environment.yml and binder/ must install the same packages at the same pins."""
+
 import re
+
 import tomllib
-
 import yaml
-
 from nbgrader_course import REPO
 
 
@@ -44,7 +44,7 @@ def test_binder_environment_matches_pyproject_with_cpu_torch():
 
 
 def test_binder_post_build_installs_perflab_and_hides_instructor_pages():
-    post_build = (REPO / "binder" / "postBuild")
+    post_build = REPO / "binder" / "postBuild"
     script = post_build.read_text()
     assert post_build.stat().st_mode & 0o111, "postBuild must be executable"
     assert "pip install --no-deps -e ." in script

@@ -1,4 +1,5 @@
 """perflab.floats: known bit patterns, overflow and underflow, and the explorer's tables and figure."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
-
 from perflab.floats import FORMATS, bit_layout_figure, compare_formats, float_bits, format_ranges
 
 TORCH_FORMATS = [name for name in FORMATS if name != "tfloat32"]  # TF32 is no torch dtype: no finfo
@@ -42,8 +42,10 @@ def test_one_in_float32():
     assert one.stored == 1.0 and one.absolute_error == 0 and one.relative_error == 0 and one.flags == ()
 
 
-@pytest.mark.parametrize("name, exponent, mantissa_bits", [("float32", "10000000", 23), ("tfloat32", "10000000", 10),
-                                                           ("bfloat16", "10000000", 7), ("float16", "10000", 10)])
+@pytest.mark.parametrize(
+    "name, exponent, mantissa_bits",
+    [("float32", "10000000", 23), ("tfloat32", "10000000", 10), ("bfloat16", "10000000", 7), ("float16", "10000", 10)],
+)
 def test_minus_two_sets_the_sign_and_one_exponent_step(name, exponent, mantissa_bits):
     two = float_bits(-2.0, name)
     assert (two.sign, two.exponent, two.mantissa) == ("1", exponent, "0" * mantissa_bits)
@@ -97,8 +99,9 @@ def test_one_tenth_in_bfloat16():
     assert tenth.stored == 0.10009765625
     assert (tenth.sign, tenth.exponent, tenth.mantissa) == ("0", "01111011", "1001101")
     assert tenth.relative_error == pytest.approx(abs(0.10009765625 - 0.1) / 0.1, rel=1e-12)
-    assert repr(tenth) == ("FloatBits(bfloat16: 0.1 -> 0.10009765625, sign 0 exponent 01111011 "
-                           "mantissa 1001101, relative error 9.8e-04)")
+    assert repr(tenth) == (
+        "FloatBits(bfloat16: 0.1 -> 0.10009765625, sign 0 exponent 01111011 mantissa 1001101, relative error 9.8e-04)"
+    )
     html = tenth._repr_html_()
     assert "<table>" in html and html.count("<span") == 3 and "1001101" in html
 
@@ -173,8 +176,9 @@ def test_unknown_formats_are_refused_by_name(dtype):
         float_bits(1.0, dtype)
 
 
-@pytest.mark.parametrize("value, dtype", [("0.1", "float16"), (None, "float16"), (True, "float16"),
-                                          (1 + 2j, "float32"), (1.0, 16)])
+@pytest.mark.parametrize(
+    "value, dtype", [("0.1", "float16"), (None, "float16"), (True, "float16"), (1 + 2j, "float32"), (1.0, 16)]
+)
 def test_non_numbers_are_refused(value, dtype):
     with pytest.raises(TypeError):
         float_bits(value, dtype)

@@ -1,4 +1,5 @@
 """The trusted grader's parts: answers as data, the noise rule, the sandbox and the child it times from outside."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,21 +14,22 @@ from contextlib import redirect_stdout
 from dataclasses import replace
 from pathlib import Path
 
+import perflab
 import psutil
 import pytest
-
-import perflab
 from perflab.bench import Comparison, Timing
 from perflab.capstone import measure_submission, refusal
 from perflab.grading import hand_in
-from perflab.grading.answers import AnswerError, HAND_IN_MARKER, handed_in, train_config
+from perflab.grading.answers import HAND_IN_MARKER, AnswerError, handed_in, train_config
 from perflab.grading.child import AnswerProcess, ChildError
 from perflab.grading.sandbox import bwrap_works, pristine_perflab, sandbox_command, trusted_python
 from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, Verdict, noise_problems
 from perflab.train import NAIVE, OPTIMIZED
 
-needs_bwrap = pytest.mark.skipif(not bwrap_works(), reason="bubblewrap is missing or cannot create namespaces here "
-                                                           "(apt-get install bubblewrap; .ci/run installs it)")
+needs_bwrap = pytest.mark.skipif(
+    not bwrap_works(),
+    reason="bubblewrap is missing or cannot create namespaces here (apt-get install bubblewrap; .ci/run installs it)",
+)
 
 
 def _stdout(text: str) -> list[dict]:
@@ -51,28 +53,34 @@ def test_hand_in_takes_only_data():
         hand_in(final_config=LyingConfig())
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"batch_size": True}, "batch_size must be an int"),
-    ({"batch_size": 64.0}, "batch_size must be an int"),
-    ({"lr": "0.1"}, "lr must be a finite number"),
-    ({"pipeline": "gpu"}, "pipeline must be one of"),
-    ({"amp_dtype": "float8"}, "amp_dtype"),
-    ({"prefetch_factor": 2.5}, "prefetch_factor"),
-    ({"channels_last": 1}, "channels_last must be True or False"),
-    ({"surprise": 1}, "other fields"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"batch_size": True}, "batch_size must be an int"),
+        ({"batch_size": 64.0}, "batch_size must be an int"),
+        ({"lr": "0.1"}, "lr must be a finite number"),
+        ({"pipeline": "gpu"}, "pipeline must be one of"),
+        ({"amp_dtype": "float8"}, "amp_dtype"),
+        ({"prefetch_factor": 2.5}, "prefetch_factor"),
+        ({"channels_last": 1}, "channels_last must be True or False"),
+        ({"surprise": 1}, "other fields"),
+    ],
+)
 def test_a_field_of_another_type_is_refused(change, message):
     with pytest.raises(AnswerError, match=message):
         train_config({"TrainConfig": {**dataclasses.asdict(NAIVE), **change}})
 
 
-@pytest.mark.parametrize("outputs, message", [
-    ([], "no answer reached the grader"),
-    (_stdout(f"{HAND_IN_MARKER}{{}}\n{HAND_IN_MARKER}{{}}\n"), "more than one"),
-    (_stdout(HAND_IN_MARKER + '{"lr": NaN}\n'), "NaN is not a number"),
-    (_stdout(HAND_IN_MARKER + "[1, 2]\n"), "not a set of named values"),
-    ([{"output_type": "stream", "name": "stderr", "text": HAND_IN_MARKER + "{}\n"}], "no answer"),
-])
+@pytest.mark.parametrize(
+    "outputs, message",
+    [
+        ([], "no answer reached the grader"),
+        (_stdout(f"{HAND_IN_MARKER}{{}}\n{HAND_IN_MARKER}{{}}\n"), "more than one"),
+        (_stdout(HAND_IN_MARKER + '{"lr": NaN}\n'), "NaN is not a number"),
+        (_stdout(HAND_IN_MARKER + "[1, 2]\n"), "not a set of named values"),
+        ([{"output_type": "stream", "name": "stderr", "text": HAND_IN_MARKER + "{}\n"}], "no answer"),
+    ],
+)
 def test_what_is_not_one_clean_answer_is_refused(outputs, message):
     with pytest.raises(AnswerError, match=message):
         handed_in(outputs)
@@ -126,7 +134,9 @@ def test_the_trusted_python_imports_perflab_from_a_pristine_copy(tmp_path):
     (tmp_path / "perflab" / "__init__.py").write_text("raise SystemExit('the shadow module was imported')\n")
     command = trusted_python("perflab.grading.answers")
     assert command[1:3] == ["-I", "-S"] and repr(pristine_perflab()) in command[-1]
-    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    run = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}
+    )
     assert run.returncode == 0 and "shadow" not in run.stderr, run.stderr
     copy = Path(pristine_perflab(), "perflab", "capstone.py")
     assert copy.read_text() == Path(perflab.__file__).with_name("capstone.py").read_text()
@@ -153,7 +163,7 @@ def attempt(name, action):
         results[name] = "done"
     except Exception as error:
         results[name] = type(error).__name__
-attempt("read solutions", lambda: open({str(course / 'solutions' / 'answers.txt')!r}).read())
+attempt("read solutions", lambda: open({str(course / "solutions" / "answers.txt")!r}).read())
 attempt("append to perflab", lambda: open(os.path.join(os.path.dirname(perflab.__file__), "capstone.py"), "a").write("#"))
 attempt("write sitecustomize", lambda: open(os.path.join(sysconfig.get_paths()["purelib"], "sitecustomize.py"), "w"))
 attempt("write its folder", lambda: open("answer.txt", "w").write("mine"))
@@ -167,9 +177,13 @@ print(results)
     server.close()
     assert run.returncode == 0, run.stderr
     results = eval(run.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe's dict
-    assert results == {"read solutions": "FileNotFoundError", "append to perflab": "OSError",
-                       "write sitecustomize": "OSError", "write its folder": "done",
-                       "connect": "ConnectionRefusedError"}, results  # the host's listener is not there
+    assert results == {
+        "read solutions": "FileNotFoundError",
+        "append to perflab": "OSError",
+        "write sitecustomize": "OSError",
+        "write its folder": "done",
+        "connect": "ConnectionRefusedError",
+    }, results  # the host's listener is not there
     assert (workdir / "answer.txt").read_text() == "mine"
     time.sleep(0.3)
     beats = (workdir / "heartbeat").stat().st_size if (workdir / "heartbeat").exists() else 0
@@ -199,8 +213,10 @@ def test_the_child_answers_with_data_and_names_the_cell_that_failed():
     finally:
         child.close()
     with pytest.raises(ChildError, match="running cell 'answer': ValueError: not today"):
-        AnswerProcess([("pipeline", LAB02_LIKE), ("answer", "raise ValueError('not today')")],
-                      handlers="perflab.grading.code_labs")
+        AnswerProcess(
+            [("pipeline", LAB02_LIKE), ("answer", "raise ValueError('not today')")],
+            handlers="perflab.grading.code_labs",
+        )
 
 
 @needs_bwrap
@@ -214,8 +230,10 @@ def test_the_child_is_stopped_between_requests_and_ended_when_it_hangs():
         child.call("lab02_outputs", seed=1, count=1, transform="preprocess_fast")
     finally:
         child.close()
-    hanging = AnswerProcess([("pipeline", LAB02_LIKE.replace("return image.float() / 255", "while True: pass"))],
-                            handlers="perflab.grading.code_labs")
+    hanging = AnswerProcess(
+        [("pipeline", LAB02_LIKE.replace("return image.float() / 255", "while True: pass"))],
+        handlers="perflab.grading.code_labs",
+    )
     try:
         with pytest.raises(ChildError, match="did not answer in time"):
             hanging.call("lab02_outputs", seed=1, count=1, transform="preprocess_fast", timeout_s=2)
@@ -225,10 +243,18 @@ def test_the_child_is_stopped_between_requests_and_ended_when_it_hangs():
 
 def test_the_grader_reports_the_reason_of_a_failing_job(tmp_path):
     """The session's own entry point, with a job whose answer could not be read: a refusal, not a crash."""
-    job = {"lab": "lab09_capstone", "cells": {"course": {}, "learner": {}}, "cache_dir": str(tmp_path),
-           "handed_in": {"test_regrade": {"error": "no answer reached the grader"},
-                         "test_data": {"data_config": {"TrainConfig": {**dataclasses.asdict(NAIVE), "name": "x"}}}}}
-    run = subprocess.run(trusted_python("perflab.grading.session"), input=json.dumps(job), capture_output=True, text=True)
+    job = {
+        "lab": "lab09_capstone",
+        "cells": {"course": {}, "learner": {}},
+        "cache_dir": str(tmp_path),
+        "handed_in": {
+            "test_regrade": {"error": "no answer reached the grader"},
+            "test_data": {"data_config": {"TrainConfig": {**dataclasses.asdict(NAIVE), "name": "x"}}},
+        },
+    }
+    run = subprocess.run(
+        trusted_python("perflab.grading.session"), input=json.dumps(job), capture_output=True, text=True
+    )
     verdicts = {cell: Verdict.from_dict(fields) for cell, fields in json.loads(run.stdout.splitlines()[-1]).items()}
     assert verdicts["test_regrade"] == Verdict.refused("no answer reached the grader")
     assert verdicts["test_data"].status == "fail" and "baseline's own configuration" in verdicts["test_data"].reasons[0]

@@ -1,9 +1,9 @@
 """perflab.tradeoff: memory and time of variants of a step, measured together (chapter 05's trade-off curve)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from perflab.plots import tradeoff_curve
 from perflab.tradeoff import measure_tradeoff
 
@@ -28,8 +28,13 @@ def test_memory_is_what_each_variant_keeps_and_peaks_at():
 
 def test_time_is_relative_to_the_first_variant_and_sees_three_times_the_work():
     inputs, weight = torch.randn(256, 1024), torch.randn(1024, 1024, requires_grad=True)
-    once = lambda: (inputs @ weight).sum()
-    thrice = lambda: (inputs @ weight).sum() + (inputs @ weight).sum() + (inputs @ weight).sum()
+
+    def once():
+        return (inputs @ weight).sum()
+
+    def thrice():
+        return (inputs @ weight).sum() + (inputs @ weight).sum() + (inputs @ weight).sum()
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a shared two-core machine a second thread stalls waiting for a busy core
     try:
@@ -44,8 +49,12 @@ def test_time_is_relative_to_the_first_variant_and_sees_three_times_the_work():
 
 def test_results_show_as_a_table_and_a_curve():
     weight = torch.randn(100, 100, requires_grad=True)
-    tradeoff = measure_tradeoff({"plain": lambda: weight.exp().sum(), "cheap": lambda: (weight * 2).sum()},
-                                parameters=[weight], rounds=1, device="cpu")
+    tradeoff = measure_tradeoff(
+        {"plain": lambda: weight.exp().sum(), "cheap": lambda: (weight * 2).sum()},
+        parameters=[weight],
+        rounds=1,
+        device="cpu",
+    )
     text = repr(tradeoff)
     assert text.startswith("Tradeoff(2 variants; forward + backward on cpu, median of 1 interleaved rounds")
     assert "time relative to 'plain'" in text and "cheap" in text and "MB" in text and "1.00x" in text
@@ -59,10 +68,13 @@ def test_results_show_as_a_table_and_a_curve():
         tradeoff.relative_time("other")
 
 
-@pytest.mark.parametrize("variants, rounds, message", [
-    ({}, 3, "at least one variant"),
-    ({"a": lambda: torch.ones(1, requires_grad=True).sum()}, 0, "rounds must be a positive int, got 0"),
-])
+@pytest.mark.parametrize(
+    "variants, rounds, message",
+    [
+        ({}, 3, "at least one variant"),
+        ({"a": lambda: torch.ones(1, requires_grad=True).sum()}, 0, "rounds must be a positive int, got 0"),
+    ],
+)
 def test_bad_input_is_refused_with_a_clear_message(variants, rounds, message):
     with pytest.raises(ValueError, match=message):
         measure_tradeoff(variants, parameters=[], rounds=rounds, device="cpu")

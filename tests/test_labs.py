@@ -1,4 +1,5 @@
 """The nbgrader pipeline: labs/ is what the sources release, and every lab grades both ways."""
+
 from __future__ import annotations
 
 import csv
@@ -9,11 +10,10 @@ import sysconfig
 from pathlib import Path
 
 import nbformat
-import pytest
-from nbgrader.api import Gradebook
-
 import perflab
+import pytest
 from attacks import ATTACKS, NEEDS_SANDBOX, build_attack
+from nbgrader.api import Gradebook
 from nbgrader_course import LAB_NAMES, REPO, NbgraderCourse
 from perflab.grading import MEASURED_CELLS
 from perflab.grading.sandbox import bwrap_works
@@ -37,7 +37,9 @@ def test_released_lab_matches_its_source(tmp_path, lab):
     assert committed.is_dir(), f"labs/{lab} is missing: run {REGENERATE.format(lab=lab)}"
     fresh_files = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
     committed_files = sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
-    assert committed_files == fresh_files, f"labs/{lab} holds other files than a release: run {REGENERATE.format(lab=lab)}"
+    assert committed_files == fresh_files, (
+        f"labs/{lab} holds other files than a release: run {REGENERATE.format(lab=lab)}"
+    )
     for relative in fresh_files:
         if relative.suffix == ".ipynb":
             same = _notebook_content(fresh / relative) == _notebook_content(committed / relative)
@@ -51,7 +53,9 @@ def test_release_holds_only_notebooks_and_declared_data(lab):
     for path in (REPO / "labs" / lab).rglob("*"):
         if path.is_file():
             relative = path.relative_to(REPO / "labs" / lab)
-            assert path.suffix == ".ipynb" or relative.parts[0] == "data", f"labs/{lab}/{relative} is neither a notebook nor declared data"
+            assert path.suffix == ".ipynb" or relative.parts[0] == "data", (
+                f"labs/{lab}/{relative} is neither a notebook nor declared data"
+            )
 
 
 def test_helper_files_beside_a_source_never_reach_the_release(tmp_path):
@@ -67,23 +71,32 @@ def test_helper_files_beside_a_source_never_reach_the_release(tmp_path):
 
 def _errors(course: NbgraderCourse, lab: str) -> list[str]:
     """Each error the autograded reference solution shows, as "cell id: ExceptionName: message"."""
-    return [f"{cell.metadata.get('nbgrader', {}).get('grade_id', '?')}: {output.ename}: {output.evalue}"
-            for path in sorted((course.root / "autograded" / "solved" / lab).glob("*.ipynb"))
-            for cell in nbformat.read(path, as_version=4).cells
-            for output in cell.get("outputs", []) if output.output_type == "error"]
+    return [
+        f"{cell.metadata.get('nbgrader', {}).get('grade_id', '?')}: {output.ename}: {output.evalue}"
+        for path in sorted((course.root / "autograded" / "solved" / lab).glob("*.ipynb"))
+        for cell in nbformat.read(path, as_version=4).cells
+        for output in cell.get("outputs", [])
+        if output.output_type == "error"
+    ]
 
 
 def _measured_outputs(course: NbgraderCourse, student: str, lab: str) -> dict[str, str]:
     """Each measured cell's output in the autograded notebook, as text."""
     notebook = nbformat.read(course.root / "autograded" / student / lab / f"{lab}.ipynb", as_version=4)
-    return {cell.metadata["nbgrader"]["grade_id"]: "\n".join(output.get("text", "") or "\n".join(output.get("traceback", []))
-                                                              for output in cell.outputs)
-            for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") in MEASURED_CELLS.get(lab, ())}
+    return {
+        cell.metadata["nbgrader"]["grade_id"]: "\n".join(
+            output.get("text", "") or "\n".join(output.get("traceback", [])) for output in cell.outputs
+        )
+        for cell in notebook.cells
+        if cell.metadata.get("nbgrader", {}).get("grade_id") in MEASURED_CELLS.get(lab, ())
+    }
 
 
 def _source_digests() -> dict[str, str]:
     """perflab's installed source and the environment's sitecustomize.py, to see that grading changed neither."""
-    paths = sorted(Path(perflab.__file__).parent.rglob("*.py")) + [Path(sysconfig.get_paths()["purelib"]) / "sitecustomize.py"]
+    paths = sorted(Path(perflab.__file__).parent.rglob("*.py")) + [
+        Path(sysconfig.get_paths()["purelib"]) / "sitecustomize.py"
+    ]
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent" for path in paths}
 
 
@@ -107,15 +120,27 @@ def test_grading_round_trip(tmp_path, lab):
         solved = gradebook.find_submission(lab, "solved")
         untouched = gradebook.find_submission(lab, "untouched")
         assert solved.max_code_score > 0, "the lab has no autograded points"
-        lost = [f"{grade.name} {grade.score:g}/{grade.max_score:g}" for notebook in solved.notebooks
-                for grade in notebook.grades if grade.cell.cell_type == "code" and grade.score < grade.max_score]
+        lost = [
+            f"{grade.name} {grade.score:g}/{grade.max_score:g}"
+            for notebook in solved.notebooks
+            for grade in notebook.grades
+            if grade.cell.cell_type == "code" and grade.score < grade.max_score
+        ]
         assert not lost, f"the reference solution must get every autograded point; lost: {lost}\n{_errors(course, lab)}"
         assert untouched.code_score == 0, "an untouched release must get no autograded point"
         assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
-        scored = {name: {grade.name: grade.score for notebook in gradebook.find_submission(lab, f"attack_{name}").notebooks
-                         for grade in notebook.grades if grade.name in MEASURED_CELLS.get(lab, ())} for name in attacks}
+        scored = {
+            name: {
+                grade.name: grade.score
+                for notebook in gradebook.find_submission(lab, f"attack_{name}").notebooks
+                for grade in notebook.grades
+                if grade.name in MEASURED_CELLS.get(lab, ())
+            }
+            for name in attacks
+        }
     assert all(score == 0 for scores in scored.values() for score in scores.values()), (
-        f"an attack scored measured points: {scored}")
+        f"an attack scored measured points: {scored}"
+    )
 
     assert not _errors(course, lab), f"the autograded solution raised {_errors(course, lab)}"
     for notebook_path in (course.root / "autograded" / "solved" / lab).glob("*.ipynb"):

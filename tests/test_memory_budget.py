@@ -1,13 +1,17 @@
 """perflab.memory_budget: the closed-form training-memory estimate against a measured step."""
+
 from __future__ import annotations
 
 import itertools
 
 import pytest
 import torch
-
 from perflab.memory_budget import (
-    COMPONENTS, OPTIMIZERS, PRECISIONS, estimate_training_memory, measure_training_memory,
+    COMPONENTS,
+    OPTIMIZERS,
+    PRECISIONS,
+    estimate_training_memory,
+    measure_training_memory,
 )
 from perflab.models import GPTConfig
 from perflab.plots import memory_curve
@@ -25,8 +29,16 @@ SHAPES = {
 
 def gpt_config(shape: str, attention: str) -> GPTConfig:
     n_layer, n_embd, n_head, _, _, dropout, tile_size = SHAPES[shape]
-    return GPTConfig(vocab_size=64, block_size=128, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                     attention=attention, dropout=dropout, tile_size=tile_size)
+    return GPTConfig(
+        vocab_size=64,
+        block_size=128,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        attention=attention,
+        dropout=dropout,
+        tile_size=tile_size,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +60,13 @@ def test_estimate_matches_measurement(shape, attention, precision, checkpointing
     # difference means the formula misses one, or a torch upgrade changed what an op saves
     # (torch is pinned, and the course's numbers should then be looked at again).
     config = gpt_config(shape, attention)
-    workload = dict(batch_size=SHAPES[shape][4], seq_len=SHAPES[shape][3], precision=precision,
-                    optimizer=optimizer, checkpointing=checkpointing)
+    workload = dict(
+        batch_size=SHAPES[shape][4],
+        seq_len=SHAPES[shape][3],
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+    )
     estimate = estimate_training_memory(config, **workload)
     measured = measure_training_memory(config, **workload)
     comparison = estimate.compare(measured)
@@ -67,10 +84,12 @@ def seq_len_squared_bytes(attention: str) -> float:
     For a(T) = q T^2 + l T + c the second difference a(96) - 2 a(64) + a(32) is 2 * 32^2 * q,
     whatever l and c are: it is 0 for memory that grows linearly.
     """
-    config = GPTConfig(vocab_size=64, block_size=128, n_layer=1, n_embd=32, n_head=HEADS,
-                       attention=attention, tile_size=16)
-    small, medium, large = (measure_training_memory(config, batch_size=BATCH, seq_len=seq_len).activations
-                            for seq_len in (32, 64, 96))
+    config = GPTConfig(
+        vocab_size=64, block_size=128, n_layer=1, n_embd=32, n_head=HEADS, attention=attention, tile_size=16
+    )
+    small, medium, large = (
+        measure_training_memory(config, batch_size=BATCH, seq_len=seq_len).activations for seq_len in (32, 64, 96)
+    )
     return (large - 2 * medium + small) / (2 * 32**2)
 
 
@@ -101,18 +120,22 @@ def test_checkpointing_cuts_activations(attention):
 
 def test_checkpointing_defaults_to_the_config():
     config = GPTConfig(n_layer=2, checkpoint_blocks=True)
-    assert estimate_training_memory(config, batch_size=2, seq_len=32) == \
-        estimate_training_memory(config, batch_size=2, seq_len=32, checkpointing=True)
+    assert estimate_training_memory(config, batch_size=2, seq_len=32) == estimate_training_memory(
+        config, batch_size=2, seq_len=32, checkpointing=True
+    )
 
 
 @pytest.mark.parametrize("calculate", [estimate_training_memory, measure_training_memory])
-@pytest.mark.parametrize("bad, message", [
-    (dict(optimizer="lion"), "unknown optimizer 'lion'; choose one of adamw, sgd, sgd_momentum"),
-    (dict(precision="float16"), "unknown precision 'float16'; choose one of float32, bfloat16"),
-    (dict(batch_size=0), "batch_size must be a positive int, got 0"),
-    (dict(seq_len=-1), "seq_len must be a positive int, got -1"),
-    (dict(seq_len=129), "seq_len 129 is longer than the model's block_size 128"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(optimizer="lion"), "unknown optimizer 'lion'; choose one of adamw, sgd, sgd_momentum"),
+        (dict(precision="float16"), "unknown precision 'float16'; choose one of float32, bfloat16"),
+        (dict(batch_size=0), "batch_size must be a positive int, got 0"),
+        (dict(seq_len=-1), "seq_len must be a positive int, got -1"),
+        (dict(seq_len=129), "seq_len 129 is longer than the model's block_size 128"),
+    ],
+)
 def test_bad_input_is_refused_with_a_clear_message(calculate, bad, message):
     workload = dict(batch_size=2, seq_len=16) | bad
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -137,13 +160,19 @@ def test_results_show_megabytes_and_ratios():
 
 def test_memory_curve_stacks_each_component_to_the_total():
     lengths = [64, 128, 256]
-    estimates = [estimate_training_memory(GPTConfig(n_layer=2, block_size=256), batch_size=4, seq_len=length)
-                 for length in lengths]
+    estimates = [
+        estimate_training_memory(GPTConfig(n_layer=2, block_size=256), batch_size=4, seq_len=length)
+        for length in lengths
+    ]
     figure = memory_curve(lengths, estimates, knob="sequence length (tokens)", caption="estimated for a 2-layer GPT")
     ax = figure.axes[0]
     assert ax.get_title() and ax.get_xlabel() == "sequence length (tokens)" and "MB" in ax.get_ylabel()
     top = ax.collections[-1].get_paths()[0].vertices[:, 1].max()
     assert top == pytest.approx(estimates[-1].total / 1e6)
     assert [text.get_text() for text in ax.get_legend().get_texts()] == [
-        "parameters", "gradients", "optimizer state", "activations"]
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+    ]
     assert any("estimated" in text.get_text() for text in figure.texts)

@@ -1,5 +1,6 @@
 """The course's models: shapes, equivalences (checkpointing, memory formats, attention
 implementations), what the profiler and the FLOP counter see, and that a GPT can learn."""
+
 from __future__ import annotations
 
 import copy
@@ -9,9 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from perflab.models import (
     GPT,
     GPTConfig,
@@ -23,6 +21,8 @@ from perflab.models import (
     sdpa_attention,
     tiled_attention,
 )
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TINY_GPT = GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=32)
 ATTENTIONS = ("naive", "sdpa", "tiled")
@@ -291,7 +291,10 @@ def test_tiled_attention_never_creates_a_t_by_t_tensor(causal):
     length = 256
     q, k, v = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(3))
     probes = {}
-    for name, attention in [("naive", naive_attention), ("tiled", lambda *qkv, causal: tiled_attention(*qkv, causal, 32))]:
+    for name, attention in [
+        ("naive", naive_attention),
+        ("tiled", lambda *qkv, causal: tiled_attention(*qkv, causal, 32)),
+    ]:
         with OutputShapes() as probes[name]:
             attention(q, k, v, causal=causal).sum().backward()
     assert probes["naive"].has_square(length)  # the probe does see a score matrix

@@ -1,9 +1,9 @@
 """perflab.prefetch and the device side of perflab.pipeline: batches copied ahead, augmented where they live."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from perflab.data import make_image_folder
 from perflab.pipeline import CachedImages, cached_batches, random_crop_flip, to_model_input
 from perflab.prefetch import CudaPrefetcher
@@ -19,8 +19,10 @@ def cache():
 
 def _batches(count=5):
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=generator), torch.arange(4) + 4 * k)
-            for k in range(count)]
+    return [
+        (torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=generator), torch.arange(4) + 4 * k)
+        for k in range(count)
+    ]
 
 
 def test_prefetcher_passes_batches_through_in_order_on_the_cpu():
@@ -40,7 +42,7 @@ def test_cached_batches_are_what_indexing_each_batch_gives(cache):
     generator = torch.Generator().manual_seed(4)
     order = torch.randperm(len(cache), generator=generator)
     for k, (images, labels) in enumerate(cached_batches(cache, batch_size=8, seed=4)):
-        index = order[8 * k:8 * k + 8]
+        index = order[8 * k : 8 * k + 8]
         assert torch.equal(images, random_crop_flip(cache.images[index], generator))
         assert torch.equal(labels, cache.labels[index])
 
@@ -70,4 +72,6 @@ def test_augmenting_on_the_gpu_gives_the_cpu_pixels(cache):
     on_gpu = next(cached_batches(cache.to("cuda"), batch_size=8, seed=2))
     on_cpu = next(cached_batches(cache, batch_size=8, seed=2))
     assert on_gpu[0].is_cuda
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu)), "one CPU generator: the same draws on every device"
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu)), (
+        "one CPU generator: the same draws on every device"
+    )

@@ -1,11 +1,11 @@
 """perflab.profile and the pictures drawn from measurements: the trace timeline and the curves."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
 import pytest
-
 from perflab.__main__ import main
 from perflab.plots import throughput_curve, trace_timeline
 from perflab.profile import profile_training
@@ -76,8 +76,12 @@ def test_data_command_prepares_the_course_data(monkeypatch, capsys):
     import perflab.data
 
     calls = []
-    small = lambda: perflab.data.images.make_image_folder(num_classes=2, train_per_class=2, val_per_class=1,  # noqa: E731
-                                                          image_size=32, progress=False)
+
+    def small():
+        return perflab.data.images.make_image_folder(
+            num_classes=2, train_per_class=2, val_per_class=1, image_size=32, progress=False
+        )
+
     monkeypatch.setattr(perflab.data, "make_image_folder", lambda: calls.append(1) or small())
     assert main(["data"]) == 0
     assert calls == [1] and "ImageFolderSplit" in capsys.readouterr().out

@@ -1,10 +1,10 @@
 """perflab.report and perflab.plots: the capstone report from real (tiny) runs, and its pictures."""
+
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
-
 from perflab.report import OptimizationReport
 from perflab.train import NAIVE, OPTIMIZED, Workload, train
 
@@ -13,7 +13,10 @@ TINY = Workload(num_classes=3, train_per_class=24, val_per_class=8, image_size=3
 
 @pytest.fixture(scope="module")
 def runs(private_data_cache):
-    return [train(config, TINY, progress=False) for config in (NAIVE, replace(NAIVE, name="cached", pipeline="cached"), OPTIMIZED)]
+    return [
+        train(config, TINY, progress=False)
+        for config in (NAIVE, replace(NAIVE, name="cached", pipeline="cached"), OPTIMIZED)
+    ]
 
 
 def test_report_table_has_every_step_and_the_environment(runs):

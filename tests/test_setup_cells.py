@@ -1,4 +1,5 @@
 """Every notebook starts with the same setup cell, which works here, on Binder and on Colab."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -7,9 +8,8 @@ import sys
 import types
 
 import nbformat
-import pytest
-
 import perflab
+import pytest
 from nbgrader_course import REPO
 
 REPOSITORY = "https://github.com/perflab/perflab"
@@ -34,8 +34,11 @@ def _run_setup(monkeypatch, *, installed: bool, colab: bool) -> tuple[list, list
     pip_calls, widget_managers = [], []
     monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: pip_calls.append(args))
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "perflab" and not installed else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "perflab" and not installed else real_find_spec(name, *a),
+    )
     if colab:
         output = types.SimpleNamespace(enable_custom_widget_manager=lambda: widget_managers.append(True))
         colab_module = types.ModuleType("google.colab")
@@ -68,9 +71,12 @@ def test_setup_picks_the_gpu_when_there_is_one(monkeypatch):
     assert namespace["device"].type == "cuda"
 
 
-@pytest.mark.parametrize("badge", [
-    "https://mybinder.org/v2/gh/perflab/perflab/main?urlpath=lab",
-    "https://colab.research.google.com/github/perflab/perflab/blob/main/lectures/01_gpu_basics.ipynb",
-])
+@pytest.mark.parametrize(
+    "badge",
+    [
+        "https://mybinder.org/v2/gh/perflab/perflab/main?urlpath=lab",
+        "https://colab.research.google.com/github/perflab/perflab/blob/main/lectures/01_gpu_basics.ipynb",
+    ],
+)
 def test_readme_has_the_launch_badges(badge):
     assert badge in (REPO / "README.md").read_text()

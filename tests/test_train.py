@@ -1,4 +1,5 @@
 """perflab.pipeline and perflab.train: the same augmented inputs by every route, and a loop whose knobs all run."""
+
 from __future__ import annotations
 
 import json
@@ -8,17 +9,24 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torchvision import transforms
-from torchvision.datasets import ImageFolder
-
 from perflab.data import make_image_folder
 from perflab.device import pick_device
 from perflab.pipeline import (
-    CROP, RESIZE, CachedImages, cached_batches, center_crop, pil_loader, pil_transform, random_crop_flip, to_model_input,
+    CROP,
+    RESIZE,
+    CachedImages,
+    cached_batches,
+    center_crop,
+    pil_loader,
+    pil_transform,
+    random_crop_flip,
+    to_model_input,
 )
 from perflab.train import NAIVE, OPTIMIZED, PhaseTimer, TrainConfig, Workload, train
 from perflab.train_result import PHASES, TrainResult
+from PIL import Image
+from torchvision import transforms
+from torchvision.datasets import ImageFolder
 
 TINY = Workload(num_classes=3, train_per_class=24, val_per_class=8, image_size=32, epochs=1)
 pytestmark = pytest.mark.usefixtures("private_data_cache")  # conftest.py
@@ -37,7 +45,7 @@ def test_random_crop_flip_matches_cropping_each_image_by_hand():
     left = torch.randint(0, RESIZE - CROP + 1, (16, 1, 1), generator=generator).flatten()
     flip = torch.rand(16, generator=generator) < 0.5
     for i in range(16):
-        expected = images[i, :, top[i]:top[i] + CROP, left[i]:left[i] + CROP]
+        expected = images[i, :, top[i] : top[i] + CROP, left[i] : left[i] + CROP]
         if flip[i]:
             expected = expected.flip(-1)
         assert torch.equal(batch[i], expected)
@@ -47,8 +55,9 @@ def test_random_crop_flip_matches_cropping_each_image_by_hand():
 def test_center_crop_and_model_input_match_torchvision():
     images = torch.randint(0, 256, (2, 3, RESIZE, RESIZE), dtype=torch.uint8)
     pil = Image.fromarray(images[0].permute(1, 2, 0).numpy())
-    expected = transforms.Compose([transforms.CenterCrop(CROP), transforms.ToTensor(),
-                                   transforms.Normalize((0.5,) * 3, (0.5,) * 3)])(pil)
+    expected = transforms.Compose(
+        [transforms.CenterCrop(CROP), transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]
+    )(pil)
     torch.testing.assert_close(to_model_input(center_crop(images))[0], expected, atol=1e-6, rtol=0)
 
 
@@ -82,10 +91,16 @@ def test_pil_loader_gives_normalized_crops(split):
     assert pil_transform(train=False).transforms[1].size == (CROP, CROP)
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(pipeline="disk"), "pipeline"), (dict(batch_size=0), "batch_size"), (dict(log_every=1.5), "log_every"),
-    (dict(num_workers=-1), "num_workers"), (dict(amp_dtype="float8"), "amp_dtype"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(pipeline="disk"), "pipeline"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(log_every=1.5), "log_every"),
+        (dict(num_workers=-1), "num_workers"),
+        (dict(amp_dtype="float8"), "amp_dtype"),
+    ],
+)
 def test_config_rejects_what_it_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**fields)
@@ -99,7 +114,11 @@ def test_learning_rate_scales_with_samples_per_optimizer_step():
 def _check_result(result: TrainResult, config: TrainConfig, workload: Workload) -> None:
     samples = workload.epochs * workload.train_samples
     assert result.samples == samples
-    assert len(result.steps) == len(result.losses) == workload.epochs * math.ceil(workload.train_samples / config.batch_size)
+    assert (
+        len(result.steps)
+        == len(result.losses)
+        == workload.epochs * math.ceil(workload.train_samples / config.batch_size)
+    )
     assert all(set(step) == set(PHASES) and all(t >= 0 for t in step.values()) for step in result.steps)
     assert sum(result.phase_totals.values()) <= result.train_s * 1.01
     assert all(math.isfinite(loss) for loss in result.losses)
@@ -107,16 +126,35 @@ def _check_result(result: TrainResult, config: TrainConfig, workload: Workload) 
     assert result.model_parameters > 0
 
 
-@pytest.mark.parametrize("config", [
-    NAIVE,
-    OPTIMIZED,
-    replace(NAIVE, name="workers", num_workers=2, pin_memory=torch.cuda.is_available(), persistent_workers=True,
-            prefetch_factor=4, non_blocking=True),
-    replace(OPTIMIZED, name="memory", pipeline="memory"),
-    replace(OPTIMIZED, name="bf16, checkpointed, accumulated", amp_dtype="bfloat16", checkpoint_blocks=True,
-            batch_size=16, accumulation_steps=2, set_to_none=False, eval_inference_mode=False),
-    replace(OPTIMIZED, name="fp16 + scaler", amp_dtype="float16", batch_size=24),
-], ids=lambda config: config.name)
+@pytest.mark.parametrize(
+    "config",
+    [
+        NAIVE,
+        OPTIMIZED,
+        replace(
+            NAIVE,
+            name="workers",
+            num_workers=2,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=True,
+            prefetch_factor=4,
+            non_blocking=True,
+        ),
+        replace(OPTIMIZED, name="memory", pipeline="memory"),
+        replace(
+            OPTIMIZED,
+            name="bf16, checkpointed, accumulated",
+            amp_dtype="bfloat16",
+            checkpoint_blocks=True,
+            batch_size=16,
+            accumulation_steps=2,
+            set_to_none=False,
+            eval_inference_mode=False,
+        ),
+        replace(OPTIMIZED, name="fp16 + scaler", amp_dtype="float16", batch_size=24),
+    ],
+    ids=lambda config: config.name,
+)
 def test_every_knob_trains(config):
     result = train(config, TINY, progress=False)
     _check_result(result, config, TINY)

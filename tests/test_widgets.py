@@ -1,8 +1,8 @@
 """perflab.widgets: explorers that recompute on every control change and print where widgets cannot render."""
+
 from __future__ import annotations
 
 import pytest
-
 from perflab.floats import compare_formats
 from perflab.memory_budget import estimate_training_memory
 from perflab.models import GPTConfig
@@ -28,8 +28,9 @@ def test_memory_explorer_estimates_on_every_change_and_measures_on_request():
     explorer = training_memory_explorer()
     explorer.controls["batch_size"].value = 4
     explorer.controls["seq_len"].value = 64
-    expected = estimate_training_memory(GPTConfig(n_layer=2, n_embd=128, n_head=2, block_size=64, attention="naive"),
-                                        batch_size=4, seq_len=64)
+    expected = estimate_training_memory(
+        GPTConfig(n_layer=2, n_embd=128, n_head=2, block_size=64, attention="naive"), batch_size=4, seq_len=64
+    )
     assert explorer.text == repr(expected)
     button, measured = explorer.children[-3], explorer.children[-2]
     button.click()
@@ -44,8 +45,9 @@ def test_memory_explorer_refuses_to_measure_what_would_not_fit():
 
 
 def test_data_loading_is_measured_over_steady_steps():
-    rate, waiting = measure_data_loading(pipeline="pil", batch_size=8, num_workers=0, pin_memory=False,
-                                         workload=TINY, steps=3)
+    rate, waiting = measure_data_loading(
+        pipeline="pil", batch_size=8, num_workers=0, pin_memory=False, workload=TINY, steps=3
+    )
     assert rate > 0
     assert 0 < waiting < 1
 

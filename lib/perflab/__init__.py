@@ -14,6 +14,7 @@ capstone's benchmark and grader in ``capstone``; grading outside the learner's k
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
 """
+
 from perflab.bench import Comparison, Timing, benchmark, compare
 from perflab.device import count_syncs, pick_device, synchronize
 from perflab.doctor import doctor

@@ -1,4 +1,5 @@
 """The ``perflab`` command: ``python -m perflab doctor``, ``... bench capstone``, ``... bench grader`` or ``... data``."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,21 +12,41 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m perflab", description=__doc__.split(":")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    doctor_parser = commands.add_parser("doctor", help="measure what this machine can do and print a table to paste into a question")
+    doctor_parser = commands.add_parser(
+        "doctor", help="measure what this machine can do and print a table to paste into a question"
+    )
     doctor_parser.add_argument("--device", help="device to check (default: cuda, then mps, then cpu)")
     bench_parser = commands.add_parser("bench", help="run one of the course's benchmarks and print its figures")
-    bench_parser.add_argument("name", choices=["capstone", "grader"],
-                              help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling; "
-                                   "grader: the capstone grader's verdicts, quiet and beside CPU hogs")
-    bench_parser.add_argument("--rounds", type=int, default=BENCHMARK_ROUNDS,
-                              help=f"capstone: interleaved one-epoch rounds (default {BENCHMARK_ROUNDS})")
-    bench_parser.add_argument("--repeats", type=int, default=5, help="grader: gradings of each submission per condition")
-    bench_parser.add_argument("--hogs", type=int, default=2, help="grader: busy processes beside the grader (default 2)")
-    bench_parser.add_argument("--autograde", type=int, default=0, metavar="N",
-                              help="grader: instead, N whole `nbgrader autograde` runs of lab 09's reference solution")
+    bench_parser.add_argument(
+        "name",
+        choices=["capstone", "grader"],
+        help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling; "
+        "grader: the capstone grader's verdicts, quiet and beside CPU hogs",
+    )
+    bench_parser.add_argument(
+        "--rounds",
+        type=int,
+        default=BENCHMARK_ROUNDS,
+        help=f"capstone: interleaved one-epoch rounds (default {BENCHMARK_ROUNDS})",
+    )
+    bench_parser.add_argument(
+        "--repeats", type=int, default=5, help="grader: gradings of each submission per condition"
+    )
+    bench_parser.add_argument(
+        "--hogs", type=int, default=2, help="grader: busy processes beside the grader (default 2)"
+    )
+    bench_parser.add_argument(
+        "--autograde",
+        type=int,
+        default=0,
+        metavar="N",
+        help="grader: instead, N whole `nbgrader autograde` runs of lab 09's reference solution",
+    )
     bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
     bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
-    commands.add_parser("data", help="generate the course's datasets and their decode-once caches now, not at first use")
+    commands.add_parser(
+        "data", help="generate the course's datasets and their decode-once caches now, not at first use"
+    )
     # The capstone grader's isolated child process: a submission as JSON on stdin.
     commands.add_parser("grade-capstone")
     args = parser.parse_args(argv)

@@ -18,14 +18,15 @@ by design; PyTorch's performance tuning guide recommends them for CPU training
 (https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html). On a GPU the activations
 live in the CUDA caching allocator, which keeps freed blocks already.
 """
+
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 try:
     import resource

@@ -18,11 +18,12 @@ Each operation runs three times on a small tensor:
   where plain PyTorch gives low precision means autocast *raised* it;
 - otherwise autocast left it *unchanged*: the output follows the inputs as usual.
 """
+
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,8 @@ class AutocastReport:
         head = "".join(f"<th>{html.escape(cell)}</th>" for cell in _HEADER)
         body = "".join(
             f'<tr style="background:{colours[row.effect]};color:#000">'
-            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row._cells()) + "</tr>"
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row._cells())
+            + "</tr>"
             for row in self.rows
         )
         return f"<table><caption>{html.escape(self._caption)}</caption><tr>{head}</tr>{body}</table>"

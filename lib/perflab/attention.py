@@ -18,14 +18,15 @@ records the fused kernel each call dispatched to, or the error and the warnings 
 for a backend that cannot take these inputs. Nothing is assumed from a list: the answer depends
 on the device, the dtype, the head dimension, the mask and dropout, and on the torch version.
 """
+
 from __future__ import annotations
 
 import contextlib
 import html
 import re
 import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import torch
@@ -145,13 +146,15 @@ class SdpaBackends:
         return f"SDPA on {self.device}, {self.inputs}; torch {torch.__version__}"
 
     def __repr__(self) -> str:
-        return f"SdpaBackends: {self._caption}\n" + text_table(("backend", "kernel", "why not"),
-                                                                [t._cells() for t in self.trials])
+        return f"SdpaBackends: {self._caption}\n" + text_table(
+            ("backend", "kernel", "why not"), [t._cells() for t in self.trials]
+        )
 
     def _repr_html_(self) -> str:
         rows = "".join(
             f'<tr style="background:{"#b8e2b0" if t.runs else "#f4a3a3"};color:#000">'
-            + "".join(f"<td>{html.escape(cell)}</td>" for cell in t._cells()) + "</tr>"
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in t._cells())
+            + "</tr>"
             for t in self.trials
         )
         head = "<tr><th>backend</th><th>kernel</th><th>why not</th></tr>"
@@ -162,8 +165,9 @@ def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwar
     """Call SDPA on ``q, k, v`` (and ``attn_mask``, ``dropout_p``, ``is_causal``...) with each backend alone."""
     trials = [BackendTrial("default", *_try(None, q, k, v, sdpa_kwargs))]
     trials += [BackendTrial(backend.name, *_try([backend], q, k, v, sdpa_kwargs)) for backend in BACKENDS]
-    options = ", ".join(f"{name}={'<tensor>' if isinstance(value, torch.Tensor) else value}"
-                        for name, value in sdpa_kwargs.items())
+    options = ", ".join(
+        f"{name}={'<tensor>' if isinstance(value, torch.Tensor) else value}" for name, value in sdpa_kwargs.items()
+    )
     inputs = f"q {tuple(q.shape)} {str(q.dtype).removeprefix('torch.')}" + (f", {options}" if options else "")
     return SdpaBackends(str(q.device), inputs, tuple(trials))
 
@@ -215,12 +219,17 @@ class AttentionCurves:
 
     def __repr__(self) -> str:
         growth = "; ".join(f"{name} x{', x'.join(f'{g:.2f}' for g in self.growth(name))}" for name in self.names)
-        return (f"AttentionCurves: {self.caption}\n" + text_table(self._header(), self._rows())
-                + f"\npeak memory growth from one length to the next: {growth}")
+        return (
+            f"AttentionCurves: {self.caption}\n"
+            + text_table(self._header(), self._rows())
+            + f"\npeak memory growth from one length to the next: {growth}"
+        )
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(cell)}</th>" for cell in self._header())
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows())
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
+        )
         return f"<table><caption>{html.escape(self.caption)}</caption><tr>{head}</tr>{body}</table>"
 
     def figure(self, title: str = "Attention against sequence length") -> Figure:
@@ -287,13 +296,24 @@ def attention_curves(
                 if peak.allocator_peak_bytes is not None:
                     allocator[name].append(peak.allocator_peak_bytes)
                 if repeats is not None:
-                    times[name].append(benchmark(lambda: attention(q, k, v, causal=causal), label=f"{name} T={length}",
-                                                 device=device, repeats=repeats, warmup=1))
-    caption = (f"(batch {batch}, heads {heads}, T, head dim {head_dim}) {str(dtype).removeprefix('torch.')}, "
-               f"{'causal' if causal else 'not causal'}, forward only; {device_name(device)} ({device}), "
-               f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)")
+                    times[name].append(
+                        benchmark(
+                            lambda: attention(q, k, v, causal=causal),  # noqa: B023 (timed here, in this iteration)
+                            label=f"{name} T={length}",
+                            device=device,
+                            repeats=repeats,
+                            warmup=1,
+                        )
+                    )
+    caption = (
+        f"(batch {batch}, heads {heads}, T, head dim {head_dim}) {str(dtype).removeprefix('torch.')}, "
+        f"{'causal' if causal else 'not causal'}, forward only; {device_name(device)} ({device}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)"
+    )
     return AttentionCurves(
-        lengths=tuple(lengths), peak_bytes={name: tuple(values) for name, values in peaks.items()},
+        lengths=tuple(lengths),
+        peak_bytes={name: tuple(values) for name, values in peaks.items()},
         times={name: tuple(values) for name, values in times.items() if values},
-        allocator_bytes={name: tuple(values) for name, values in allocator.items() if values}, caption=caption,
+        allocator_bytes={name: tuple(values) for name, values in allocator.items() if values},
+        caption=caption,
     )

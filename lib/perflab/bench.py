@@ -14,14 +14,15 @@ resolution does not matter), with the device synchronized before the clock is re
 
     >>> Compare([benchmark(f, label=name).to_measurement() for name, f in cases]).print()
 """
+
 from __future__ import annotations
 
 import html
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -78,15 +79,21 @@ class Timing:
     def p95(self) -> float:
         return _percentile(sorted(self.times), 0.95)
 
-    def to_measurement(self, table: str = "perflab") -> "torch.utils.benchmark.Measurement":
+    def to_measurement(self, table: str = "perflab") -> torch.utils.benchmark.Measurement:
         """This timing as a ``torch.utils.benchmark.Measurement``, which ``Compare`` tabulates:
         one table per ``table`` name, one row per timing label, one column per device."""
         # Imported here: torch.utils.benchmark warns about CUDA_HOME on import on machines without one.
         from torch.utils.benchmark import Measurement
         from torch.utils.benchmark.utils.common import TaskSpec
 
-        spec = TaskSpec(stmt=self.label, setup="", label=table, sub_label=self.label, description=self.device,
-                        num_threads=self.num_threads)
+        spec = TaskSpec(
+            stmt=self.label,
+            setup="",
+            label=table,
+            sub_label=self.label,
+            description=self.device,
+            num_threads=self.num_threads,
+        )
         return Measurement(self.calls_per_sample, [t * self.calls_per_sample for t in self.times], spec)
 
     def _summary(self) -> str:
@@ -101,9 +108,13 @@ class Timing:
 
     def _repr_html_(self) -> str:
         cells = [
-            ("what", self.label), ("device", self.device), ("median", format_seconds(self.median)),
-            ("IQR", format_seconds(self.iqr)), ("p95", format_seconds(self.p95)),
-            ("samples", f"{len(self.times)} x {self.calls_per_sample} calls"), ("threads", self.num_threads),
+            ("what", self.label),
+            ("device", self.device),
+            ("median", format_seconds(self.median)),
+            ("IQR", format_seconds(self.iqr)),
+            ("p95", format_seconds(self.p95)),
+            ("samples", f"{len(self.times)} x {self.calls_per_sample} calls"),
+            ("threads", self.num_threads),
         ]
         header = "".join(f"<th>{name}</th>" for name, _ in cells)
         row = "".join(f"<td>{html.escape(str(value))}</td>" for _, value in cells)
@@ -174,8 +185,11 @@ def benchmark(
     sampler = _Sampler(fn, device, warmup, min_sample_s)
     times = tuple(sampler.sample() for _ in range(repeats))
     return Timing(
-        label=label or getattr(fn, "__name__", "fn"), times=times, calls_per_sample=sampler.calls_per_sample,
-        device=str(device), num_threads=torch.get_num_threads(),
+        label=label or getattr(fn, "__name__", "fn"),
+        times=times,
+        calls_per_sample=sampler.calls_per_sample,
+        device=str(device),
+        num_threads=torch.get_num_threads(),
     )
 
 
@@ -198,7 +212,9 @@ def median_confidence_interval(values: list[float], confidence: float = 0.95) ->
         below, k = next_below, k + 1
     if k == 0:
         smallest = next(m for m in range(1, 64) if 1 - 2 / 2**m >= confidence)
-        raise ValueError(f"{n} values are too few for a {confidence:.0%} interval on the median; use at least {smallest}")
+        raise ValueError(
+            f"{n} values are too few for a {confidence:.0%} interval on the median; use at least {smallest}"
+        )
     return ordered[k - 1], ordered[n - k]
 
 
@@ -290,8 +306,13 @@ def compare(
         for side in order:
             times[side].append(samplers[side].sample())
     timings = [
-        Timing(label=label, times=tuple(side_times), calls_per_sample=sampler.calls_per_sample,
-               device=str(device), num_threads=torch.get_num_threads())
+        Timing(
+            label=label,
+            times=tuple(side_times),
+            calls_per_sample=sampler.calls_per_sample,
+            device=str(device),
+            num_threads=torch.get_num_threads(),
+        )
         for label, side_times, sampler in zip(labels, times, samplers)
     ]
     return Comparison(baseline=timings[0], candidate=timings[1], confidence=confidence)

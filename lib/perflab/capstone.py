@@ -9,6 +9,7 @@ Both time each configuration on one-epoch trials in alternating order after a wa
 so that whatever drifts during the run (clock boost, a busy neighbour) hits every side alike,
 and both take accuracy from full runs of the course's :class:`~perflab.train.Workload`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,9 +50,15 @@ def ceiling_of(config: TrainConfig) -> TrainConfig:
     return replace(config, name=f"{config.name} ceiling", pipeline="memory")
 
 
-def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int = TRIAL_ROUNDS,
-                       device: torch.device, log=None, progress: bool = False,
-                       max_steps: int | None = None) -> list[list[TrainResult]]:
+def interleaved_trials(
+    runs: list[tuple[TrainConfig, Workload]],
+    *,
+    rounds: int = TRIAL_ROUNDS,
+    device: torch.device,
+    log=None,
+    progress: bool = False,
+    max_steps: int | None = None,
+) -> list[list[TrainResult]]:
     """One epoch (or ``max_steps``) of each run per round, the order reversed every other round, after a warm-up each.
 
     The progress bar moves between epochs, outside the timed steps, so it costs the trials nothing.
@@ -59,7 +66,9 @@ def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int 
     trials = [(config, replace(workload, epochs=1)) for config, workload in runs]
     bar = tqdm(total=len(trials) * (rounds + 1), desc="interleaved trials", unit="epoch", disable=not progress)
     for config, workload in trials:
-        train(config, workload, device=device, progress=False, max_steps=max_steps)  # warm-up: caches, allocator, compilation
+        train(
+            config, workload, device=device, progress=False, max_steps=max_steps
+        )  # warm-up: caches, allocator, compilation
         bar.update()
     results: list[list[TrainResult]] = [[] for _ in runs]
     for round_index in range(rounds):
@@ -68,8 +77,12 @@ def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int 
             results[side].append(train(*trials[side], device=device, progress=False, max_steps=max_steps))
             bar.update()
         if log:
-            log(f"round {round_index + 1}/{rounds}: " + ", ".join(
-                f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)))
+            log(
+                f"round {round_index + 1}/{rounds}: "
+                + ", ".join(
+                    f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)
+                )
+            )
     bar.close()
     return results
 
@@ -77,8 +90,12 @@ def interleaved_trials(runs: list[tuple[TrainConfig, Workload]], *, rounds: int 
 def per_sample_timing(label: str, results: list[TrainResult]) -> Timing:
     """Seconds per training sample of each trial, as a :class:`~perflab.bench.Timing`."""
     env = results[0].environment
-    return Timing(label=label, times=tuple(r.train_s / r.samples for r in results), device=env["device"],
-                  num_threads=env["threads"])
+    return Timing(
+        label=label,
+        times=tuple(r.train_s / r.samples for r in results),
+        device=env["device"],
+        num_threads=env["threads"],
+    )
 
 
 def _median_samples_per_s(results: list[TrainResult]) -> float:
@@ -97,8 +114,9 @@ class CapstoneBenchmark:
     @property
     def speedup(self) -> Comparison:
         baseline, optimized = ([1 / s for s in side] for side in self.samples_per_s[:2])
-        return Comparison(Timing(self.names[0], tuple(baseline)), Timing(self.names[1], tuple(optimized)),
-                          confidence=CONFIDENCE)
+        return Comparison(
+            Timing(self.names[0], tuple(baseline)), Timing(self.names[1], tuple(optimized)), confidence=CONFIDENCE
+        )
 
     @property
     def ceiling_share(self) -> float:
@@ -109,9 +127,12 @@ class CapstoneBenchmark:
         """Median samples/s, and the median of per-round ratios to the baseline, as ``speedup`` takes it."""
         baseline = self.samples_per_s[0]
         return [
-            (name, f"{statistics.median(side):,.0f}",
-             f"{statistics.median(rate / base for rate, base in zip(side, baseline)):.2f}x",
-             "-" if accuracy is None else f"{accuracy:.1%}")
+            (
+                name,
+                f"{statistics.median(side):,.0f}",
+                f"{statistics.median(rate / base for rate, base in zip(side, baseline)):.2f}x",
+                "-" if accuracy is None else f"{accuracy:.1%}",
+            )
             for name, side, accuracy in zip(self.names, self.samples_per_s, self.accuracies)
         ]
 
@@ -136,20 +157,23 @@ class CapstoneBenchmark:
         return json.dumps({**asdict(self), "speedup": self.speedup.speedup, "ceiling_share": self.ceiling_share})
 
 
-def benchmark_capstone(*, rounds: int = BENCHMARK_ROUNDS, device: str | torch.device | None = None,
-                       progress: bool = True) -> CapstoneBenchmark:
+def benchmark_capstone(
+    *, rounds: int = BENCHMARK_ROUNDS, device: str | torch.device | None = None, progress: bool = True
+) -> CapstoneBenchmark:
     """Full runs of the baseline and the reference pipeline for accuracy, then interleaved trials."""
     device = pick_device(device)
     configs = (NAIVE, OPTIMIZED, ceiling_of(OPTIMIZED))
     accuracies = []
     for config in configs[:2]:
         accuracies.append(train(config, COURSE_WORKLOAD, device=device, progress=progress).val_accuracy)
-    trials = interleaved_trials([(config, COURSE_WORKLOAD) for config in configs], rounds=rounds,
-                                device=device, progress=progress)
+    trials = interleaved_trials(
+        [(config, COURSE_WORKLOAD) for config in configs], rounds=rounds, device=device, progress=progress
+    )
     return CapstoneBenchmark(
         names=tuple(config.name for config in configs),
         samples_per_s=tuple(tuple(r.samples_per_s for r in side) for side in trials),
-        accuracies=(*accuracies, None), environment=environment(device),
+        accuracies=(*accuracies, None),
+        environment=environment(device),
     )
 
 
@@ -176,8 +200,10 @@ class CapstoneGrade:
         parts = []
         if self.speedup is not None:
             low, high = self.interval
-            parts.append(f"{self.speedup:.2f}x median speedup ({CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x, "
-                         f"{self.baseline_samples_per_s:,.0f} -> {self.candidate_samples_per_s:,.0f} samples/s)")
+            parts.append(
+                f"{self.speedup:.2f}x median speedup ({CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x, "
+                f"{self.baseline_samples_per_s:,.0f} -> {self.candidate_samples_per_s:,.0f} samples/s)"
+            )
         if self.candidate_accuracy is not None:
             parts.append(f"accuracy {self.candidate_accuracy:.1%} vs baseline {self.baseline_accuracy:.1%}")
         return "; ".join(parts) or "not measured"
@@ -189,38 +215,60 @@ class CapstoneGrade:
     def _repr_html_(self) -> str:
         colour = {"pass": "green", "fail": "darkred"}.get(self.status, "darkorange")
         reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in self.reasons)
-        return (f"<p><b style='color:{colour}'>{self.status.upper()}</b>: {html.escape(self._summary())}</p>"
-                f"<ul>{reasons}</ul><p><small>re-measured on {html.escape(self.environment.get('device_name', '?'))}, "
-                f"torch {html.escape(self.environment.get('torch', '?'))}</small></p>")
+        return (
+            f"<p><b style='color:{colour}'>{self.status.upper()}</b>: {html.escape(self._summary())}</p>"
+            f"<ul>{reasons}</ul><p><small>re-measured on {html.escape(self.environment.get('device_name', '?'))}, "
+            f"torch {html.escape(self.environment.get('torch', '?'))}</small></p>"
+        )
 
 
 def refusal(config: TrainConfig) -> str | None:
     """Why ``config`` changes the task rather than the way it is done, or None."""
     if config.pipeline == "memory":
-        return ("pipeline='memory' steps on a few cached batches over and over: it is the compute ceiling, "
-                "not a training run over the course's data")
+        return (
+            "pipeline='memory' steps on a few cached batches over and over: it is the compute ceiling, "
+            "not a training run over the course's data"
+        )
     return None
 
 
-def measure_speeds(configs: list[TrainConfig], *, rounds: int, device: torch.device, log=None,
-                   max_steps: int | None = None) -> tuple[list[list[TrainResult]], LoadMeter]:
+def measure_speeds(
+    configs: list[TrainConfig], *, rounds: int, device: torch.device, log=None, max_steps: int | None = None
+) -> tuple[list[list[TrainResult]], LoadMeter]:
     """Interleaved one-epoch trials of ``configs`` on the course's workload, and the load beside them."""
     with LoadMeter() as load:
-        trials = interleaved_trials([(config, COURSE_WORKLOAD) for config in configs], rounds=rounds, device=device,
-                                    log=log, max_steps=max_steps)
+        trials = interleaved_trials(
+            [(config, COURSE_WORKLOAD) for config in configs],
+            rounds=rounds,
+            device=device,
+            log=log,
+            max_steps=max_steps,
+        )
     if log:
         log(f"other processes took {load.other_cores:.2f} cores while measuring")
     return trials, load
 
 
 def speedup_of(baseline: list[TrainResult], candidate: list[TrainResult], label: str) -> Comparison:
-    return Comparison(per_sample_timing("baseline", baseline), per_sample_timing(label, candidate), confidence=CONFIDENCE)
+    return Comparison(
+        per_sample_timing("baseline", baseline), per_sample_timing(label, candidate), confidence=CONFIDENCE
+    )
 
 
 def baseline_accuracy(device: torch.device, cache_dir: str | None = None) -> float:
     """The naive baseline's validation accuracy from a full run, kept in ``cache_dir`` per machine and version."""
-    key = hashlib.sha256(json.dumps([asdict(NAIVE), asdict(COURSE_WORKLOAD), torch.__version__, device_name(device),
-                                     torch.get_num_threads(), perflab.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                asdict(NAIVE),
+                asdict(COURSE_WORKLOAD),
+                torch.__version__,
+                device_name(device),
+                torch.get_num_threads(),
+                perflab.__version__,
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     path = Path(cache_dir, f"baseline-accuracy-{key}.json") if cache_dir else None
     if path and path.exists():
         return json.loads(path.read_text())["val_accuracy"]
@@ -231,16 +279,30 @@ def baseline_accuracy(device: torch.device, cache_dir: str | None = None) -> flo
     return accuracy
 
 
-def measure_submission(config: TrainConfig, *, rounds: int = TRIAL_ROUNDS, device: str | torch.device | None = None,
-                       log=None, cache_dir: str | None = None) -> CapstoneGrade:
+def measure_submission(
+    config: TrainConfig,
+    *,
+    rounds: int = TRIAL_ROUNDS,
+    device: str | torch.device | None = None,
+    log=None,
+    cache_dir: str | None = None,
+) -> CapstoneGrade:
     """Grade ``config`` on the course's workload in this process: refusals, then speed, then accuracy.
 
     A noisy measurement (see :mod:`perflab.grading.verdict`) is repeated once with twice the
     rounds; if it is still noisy the grade is ``inconclusive``, neither a pass nor a fail.
     """
     device = pick_device(device)
-    not_measured = dict(speedup=None, interval=None, baseline_samples_per_s=None, candidate_samples_per_s=None,
-                        baseline_accuracy=None, candidate_accuracy=None, config=asdict(config), environment=environment(device))
+    not_measured = dict(
+        speedup=None,
+        interval=None,
+        baseline_samples_per_s=None,
+        candidate_samples_per_s=None,
+        baseline_accuracy=None,
+        candidate_accuracy=None,
+        config=asdict(config),
+        environment=environment(device),
+    )
     if refusal(config):
         return CapstoneGrade(status="fail", reasons=(refusal(config),), **not_measured)
     for attempt_rounds in (rounds, 2 * rounds):
@@ -250,26 +312,42 @@ def measure_submission(config: TrainConfig, *, rounds: int = TRIAL_ROUNDS, devic
         if not problems:
             break
         if log:
-            log(f"too noisy to decide ({'; '.join(problems)})" + ("" if attempt_rounds > rounds else ": measuring again"))
+            log(
+                f"too noisy to decide ({'; '.join(problems)})"
+                + ("" if attempt_rounds > rounds else ": measuring again")
+            )
     reasons = []
     if candidate[0].samples != baseline[0].samples:
         reasons.append(f"it trained on {candidate[0].samples} samples per epoch, the baseline on {baseline[0].samples}")
     if candidate[0].model_parameters != baseline[0].model_parameters:
-        reasons.append(f"its model has {candidate[0].model_parameters:,} parameters, the course's {baseline[0].model_parameters:,}")
+        reasons.append(
+            f"its model has {candidate[0].model_parameters:,} parameters, the course's {baseline[0].model_parameters:,}"
+        )
     if comparison.speedup < MIN_SPEEDUP:
         reasons.append(f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required")
     accuracies = (None, None)
     if not reasons and not problems:
-        accuracies = (baseline_accuracy(device, cache_dir), train(config, COURSE_WORKLOAD, device=device, progress=False).val_accuracy)
+        accuracies = (
+            baseline_accuracy(device, cache_dir),
+            train(config, COURSE_WORKLOAD, device=device, progress=False).val_accuracy,
+        )
         if accuracies[1] < accuracies[0] - ACCURACY_TOLERANCE:
-            reasons.append(f"its accuracy {accuracies[1]:.1%} is more than {ACCURACY_TOLERANCE:.0%} points "
-                           f"under the baseline's {accuracies[0]:.1%}")
+            reasons.append(
+                f"its accuracy {accuracies[1]:.1%} is more than {ACCURACY_TOLERANCE:.0%} points "
+                f"under the baseline's {accuracies[0]:.1%}"
+            )
     status = "inconclusive" if problems else "fail" if reasons else "pass"
     return CapstoneGrade(
-        status=status, reasons=tuple([INCONCLUSIVE, *problems] if problems else reasons), speedup=comparison.speedup,
-        interval=comparison.interval, baseline_samples_per_s=_median_samples_per_s(baseline),
-        candidate_samples_per_s=_median_samples_per_s(candidate), baseline_accuracy=accuracies[0],
-        candidate_accuracy=accuracies[1], config=asdict(config), environment=environment(device),
+        status=status,
+        reasons=tuple([INCONCLUSIVE, *problems] if problems else reasons),
+        speedup=comparison.speedup,
+        interval=comparison.interval,
+        baseline_samples_per_s=_median_samples_per_s(baseline),
+        candidate_samples_per_s=_median_samples_per_s(candidate),
+        baseline_accuracy=accuracies[0],
+        candidate_accuracy=accuracies[1],
+        config=asdict(config),
+        environment=environment(device),
     )
 
 
@@ -283,8 +361,13 @@ def grade(config: TrainConfig, *, timeout_s: float = 900) -> CapstoneGrade:
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"grade() takes a TrainConfig, got {type(config).__name__}")
-    child = subprocess.Popen([sys.executable, "-I", "-m", "perflab", "grade-capstone"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-m", "perflab", "grade-capstone"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     child.stdin.write(json.dumps({"TrainConfig": asdict(config)}))
     child.stdin.close()
     other_output = []

@@ -18,14 +18,16 @@ clock changes) hits both sides of each ratio alike; the share is the median of t
 ratios. Starting an epoch's iterator is inside the clock: a ``DataLoader`` starts its workers
 there, as it does in training.
 """
+
 from __future__ import annotations
 
 import html
 import itertools
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -51,8 +53,12 @@ class Epoch:
         return self.samples / self.seconds
 
 
-def time_epoch(batches: Callable[[], Iterable[Batch]], step: Callable[..., object], device: torch.device,
-               max_steps: int | None = None) -> Epoch:
+def time_epoch(
+    batches: Callable[[], Iterable[Batch]],
+    step: Callable[..., object],
+    device: torch.device,
+    max_steps: int | None = None,
+) -> Epoch:
     """Run ``step`` on every batch of ``batches()`` (at most ``max_steps``), with the device synchronized at both ends."""
     synchronize(device)
     start = time.perf_counter()
@@ -88,7 +94,9 @@ class CeilingMeasurement:
 
     def share(self, name: str) -> float:
         """Median over rounds of the pipeline's samples/s over the ceiling's in the same round."""
-        return statistics.median(p.samples_per_s / c.samples_per_s for p, c in zip(self.epochs[name], self.ceilings[name]))
+        return statistics.median(
+            p.samples_per_s / c.samples_per_s for p, c in zip(self.epochs[name], self.ceilings[name])
+        )
 
     def waiting_share(self, name: str) -> float:
         """Median share of an epoch's time spent waiting for the next batch."""
@@ -106,16 +114,20 @@ class CeilingMeasurement:
         return list(unique.values())
 
     def _rows(self) -> list[tuple[str, str, str, str]]:
-        rows = [(name, f"{self.samples_per_s(name):,.0f}", f"{self.share(name):.0%}", f"{self.waiting_share(name):.0%}")
-                for name in self.names]
+        rows = [
+            (name, f"{self.samples_per_s(name):,.0f}", f"{self.share(name):.0%}", f"{self.waiting_share(name):.0%}")
+            for name in self.names
+        ]
         return [*rows, (CEILING, f"{self.samples_per_s(CEILING):,.0f}", "100%", "0%")]
 
     @property
     def caption(self) -> str:
         env = self.environment
         unit = "step by step" if self.interleave == "steps" else "epoch by epoch"
-        return (f"median of {self.rounds} rounds interleaved {unit} on {env['device_name']} ({env['device']}, "
-                f"{env['threads']} threads), torch {env['torch']}")
+        return (
+            f"median of {self.rounds} rounds interleaved {unit} on {env['device_name']} ({env['device']}, "
+            f"{env['threads']} threads), torch {env['torch']}"
+        )
 
     def __str__(self) -> str:
         width = max(len(name) for name in self.names) + 2
@@ -129,12 +141,15 @@ class CeilingMeasurement:
 
     def _repr_html_(self) -> str:
         head = "<tr><th>pipeline</th><th>samples/s</th><th>of ceiling</th><th>waiting for data</th></tr>"
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows())
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
+        )
         return f"<table>{head}{body}</table><p><small>{html.escape(self.caption)}</small></p>"
 
 
-def paired_epoch(batches: Callable[[], Iterable[Batch]], step: Callable[..., object],
-                 ceiling: Iterator[Batch]) -> tuple[Epoch, Epoch]:
+def paired_epoch(
+    batches: Callable[[], Iterable[Batch]], step: Callable[..., object], ceiling: Iterator[Batch]
+) -> tuple[Epoch, Epoch]:
     """One epoch of ``batches()``, each of its steps followed by a step on the next ``ceiling`` batch (CPU only).
 
     Returns the pipeline's epoch (starting the iterator and every ``next()`` included) and the
@@ -165,10 +180,17 @@ def paired_epoch(batches: Callable[[], Iterable[Batch]], step: Callable[..., obj
     return Epoch(samples, pipeline_s, waiting_s, steps), Epoch(ceiling_samples, ceiling_s, 0.0, steps)
 
 
-def measure_against_ceiling(pipelines: Mapping[str, Callable[[int], Iterable[Batch]]], step: Callable[..., object],
-                            ceiling_batches: Sequence[Batch], *, rounds: int = 5, max_steps: int | None = None,
-                            interleave: Literal["epochs", "steps"] = "epochs", device: str | torch.device | None = None,
-                            progress: bool = False) -> CeilingMeasurement:
+def measure_against_ceiling(
+    pipelines: Mapping[str, Callable[[int], Iterable[Batch]]],
+    step: Callable[..., object],
+    ceiling_batches: Sequence[Batch],
+    *,
+    rounds: int = 5,
+    max_steps: int | None = None,
+    interleave: Literal["epochs", "steps"] = "epochs",
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> CeilingMeasurement:
     """Time each pipeline's epoch (seed = round number) against the ceiling, in alternating order, after a warm-up epoch.
 
     ``interleave="epochs"``: a whole epoch of each pipeline, then as many steps of the ceiling
@@ -190,8 +212,12 @@ def measure_against_ceiling(pipelines: Mapping[str, Callable[[int], Iterable[Bat
     device = pick_device(device)
     if interleave not in ("epochs", "steps") or (interleave == "steps" and device.type != "cpu"):
         raise ValueError(f"interleave must be 'epochs', or 'steps' on a CPU; got {interleave!r} on {device}")
-    bar = tqdm(total=(len(pipelines) + (interleave == "epochs")) * (rounds + 1), desc="interleaved epochs",
-               unit="epoch", disable=not progress)
+    bar = tqdm(
+        total=(len(pipelines) + (interleave == "epochs")) * (rounds + 1),
+        desc="interleaved epochs",
+        unit="epoch",
+        disable=not progress,
+    )
     ceiling_steps = None
 
     def run_epoch(name: str, seed: int) -> Epoch:
@@ -203,7 +229,9 @@ def measure_against_ceiling(pipelines: Mapping[str, Callable[[int], Iterable[Bat
         return epoch
 
     def run_paired(name: str, seed: int) -> tuple[Epoch, Epoch]:
-        pair = paired_epoch(lambda: itertools.islice(pipelines[name](seed), max_steps), step, itertools.cycle(ceiling_batches))
+        pair = paired_epoch(
+            lambda: itertools.islice(pipelines[name](seed), max_steps), step, itertools.cycle(ceiling_batches)
+        )
         bar.update()
         return pair
 
@@ -227,10 +255,17 @@ def measure_against_ceiling(pipelines: Mapping[str, Callable[[int], Iterable[Bat
         run_epoch(CEILING, seed=rounds)
         names = (*pipelines, CEILING)
         for round_index in range(rounds):
-            measured = {name: run_epoch(name, seed=round_index) for name in (names if round_index % 2 == 0 else names[::-1])}
+            measured = {
+                name: run_epoch(name, seed=round_index) for name in (names if round_index % 2 == 0 else names[::-1])
+            }
             for name in pipelines:
                 epochs[name].append(measured[name])
                 ceilings[name].append(measured[CEILING])
     bar.close()
-    return CeilingMeasurement(tuple(pipelines), {name: tuple(side) for name, side in epochs.items()},
-                              {name: tuple(side) for name, side in ceilings.items()}, interleave, environment(device))
+    return CeilingMeasurement(
+        tuple(pipelines),
+        {name: tuple(side) for name, side in epochs.items()},
+        {name: tuple(side) for name, side in ceilings.items()},
+        interleave,
+        environment(device),
+    )

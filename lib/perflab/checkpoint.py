@@ -15,6 +15,7 @@ checkpoint only once it is complete on disk, so a crash mid-save leaves the last
 Loading uses ``torch.load(..., weights_only=True)``: a checkpoint from elsewhere can hold
 tensors and plain data, never code that runs when it is opened.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,22 @@ import torch
 FORMAT = 1
 
 
-def save_training_state(path: str | os.PathLike, *, step: int, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, scheduler=None, scaler: torch.amp.GradScaler | None = None,
-                        generators: dict[str, torch.Generator] | None = None) -> Path:
+def save_training_state(
+    path: str | os.PathLike,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    scaler: torch.amp.GradScaler | None = None,
+    generators: dict[str, torch.Generator] | None = None,
+) -> Path:
     """Write everything the next step depends on to ``path``, atomically; return the path."""
     state = {
-        "format": FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "format": FORMAT,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "scaler": None if scaler is None else scaler.state_dict(),
         "generators": {name: generator.get_state() for name, generator in (generators or {}).items()},
@@ -53,10 +64,16 @@ def save_training_state(path: str | os.PathLike, *, step: int, model: torch.nn.M
     return path
 
 
-def load_training_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler=None, scaler: torch.amp.GradScaler | None = None,
-                        generators: dict[str, torch.Generator] | None = None,
-                        map_location: str | torch.device | None = None) -> int:
+def load_training_state(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    scaler: torch.amp.GradScaler | None = None,
+    generators: dict[str, torch.Generator] | None = None,
+    map_location: str | torch.device | None = None,
+) -> int:
     """Restore what :func:`save_training_state` wrote into these objects; return the step it was saved at."""
     state = torch.load(path, map_location=map_location, weights_only=True)
     if state.get("format") != FORMAT:
@@ -65,8 +82,10 @@ def load_training_state(path: str | os.PathLike, *, model: torch.nn.Module, opti
     optimizer.load_state_dict(state["optimizer"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if (target is None) != (state[name] is None):
-            raise ValueError(f"{path} was saved {'with' if state[name] is not None else 'without'} a {name}: "
-                             f"pass {'one' if state[name] is not None else 'none'} to resume exactly")
+            raise ValueError(
+                f"{path} was saved {'with' if state[name] is not None else 'without'} a {name}: "
+                f"pass {'one' if state[name] is not None else 'none'} to resume exactly"
+            )
         if target is not None:
             target.load_state_dict(state[name])
     generators = generators or {}

@@ -18,14 +18,16 @@ which PyTorch's troubleshooting documentation uses, and ``torch._inductor.utils.
 which its own tests use. Both reset Dynamo first, which drops every compiled function's cached
 code (the next call compiles again, helped by Inductor's on-disk cache).
 """
+
 from __future__ import annotations
 
 import html
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,10 +43,10 @@ _RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+?)_at_\d+")
 class GraphBreak:
     """One place where Dynamo stopped the graph and ran Python instead."""
 
-    reason: str    # Dynamo's reason, its first line
+    reason: str  # Dynamo's reason, its first line
     function: str  # the user function it happened in
     lineno: int
-    line: str      # that line of source
+    line: str  # that line of source
 
     def __str__(self) -> str:
         return f"{self.function}, line {self.lineno}: {self.reason}\n     {self.line}"
@@ -59,19 +61,28 @@ class GraphBreaks:
     breaks: tuple[GraphBreak, ...]
 
     def __repr__(self) -> str:
-        lines = [f"GraphBreaks({_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'break')}, "
-                 f"{_plural(self.operations, 'operation')})"]
+        lines = [
+            f"GraphBreaks({_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'break')}, "
+            f"{_plural(self.operations, 'operation')})"
+        ]
         lines += [f"  {index}. {found}" for index, found in enumerate(self.breaks, 1)]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{index}</td><td>{html.escape(found.function)}</td><td>{found.lineno}</td>"
-                       f"<td><code>{html.escape(found.line)}</code></td><td>{html.escape(found.reason)}</td></tr>"
-                       for index, found in enumerate(self.breaks, 1))
-        table = ("<table><tr><th>#</th><th>function</th><th>line</th><th>code</th><th>reason</th></tr>"
-                 f"{rows}</table>") if self.breaks else ""
-        return (f"<p><b>{_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'graph break')}</b>, "
-                f"{_plural(self.operations, 'operation')} captured</p>{table}")
+        rows = "".join(
+            f"<tr><td>{index}</td><td>{html.escape(found.function)}</td><td>{found.lineno}</td>"
+            f"<td><code>{html.escape(found.line)}</code></td><td>{html.escape(found.reason)}</td></tr>"
+            for index, found in enumerate(self.breaks, 1)
+        )
+        table = (
+            (f"<table><tr><th>#</th><th>function</th><th>line</th><th>code</th><th>reason</th></tr>{rows}</table>")
+            if self.breaks
+            else ""
+        )
+        return (
+            f"<p><b>{_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'graph break')}</b>, "
+            f"{_plural(self.operations, 'operation')} captured</p>{table}"
+        )
 
 
 def _plural(count: int, noun: str) -> str:
@@ -85,9 +96,14 @@ def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> GraphBrea
     for reason in explanation.break_reasons:
         frame = reason.user_stack[-1]
         resumed = _RESUMED.fullmatch(frame.name)
-        found.append(GraphBreak(reason=reason.reason.strip().splitlines()[0],
-                                function=resumed[1] if resumed else frame.name,
-                                lineno=frame.lineno, line=(frame.line or "").strip()))
+        found.append(
+            GraphBreak(
+                reason=reason.reason.strip().splitlines()[0],
+                function=resumed[1] if resumed else frame.name,
+                lineno=frame.lineno,
+                line=(frame.line or "").strip(),
+            )
+        )
     return GraphBreaks(graphs=explanation.graph_count, operations=explanation.op_count, breaks=tuple(found))
 
 
@@ -100,9 +116,9 @@ def _graphs_compiled() -> int:
 class CompileCost:
     """A compiled function's first call (which compiles) and its steady state against eager."""
 
-    first_call: float        # seconds: tracing, code generation, compiling the kernels, and one run
-    graphs: int              # graphs compiled during the first call
-    comparison: Comparison   # eager (baseline) against compiled (candidate), interleaved, after warmup
+    first_call: float  # seconds: tracing, code generation, compiling the kernels, and one run
+    graphs: int  # graphs compiled during the first call
+    comparison: Comparison  # eager (baseline) against compiled (candidate), interleaved, after warmup
 
     @property
     def compile_seconds(self) -> float:
@@ -126,11 +142,16 @@ class CompileCost:
 
     def _summary(self) -> str:
         eager, compiled = self.comparison.baseline, self.comparison.candidate
-        verdict = (f"pays off after {self.break_even_calls:,} calls" if self.pays_off
-                   else "never pays off: no measurable saving per call")
-        return (f"first call {format_seconds(self.first_call)} ({_plural(self.graphs, 'graph')}), then "
-                f"{format_seconds(compiled.median)} vs {format_seconds(eager.median)} per call "
-                f"({self.comparison.speedup:.2f}x); {verdict}")
+        verdict = (
+            f"pays off after {self.break_even_calls:,} calls"
+            if self.pays_off
+            else "never pays off: no measurable saving per call"
+        )
+        return (
+            f"first call {format_seconds(self.first_call)} ({_plural(self.graphs, 'graph')}), then "
+            f"{format_seconds(compiled.median)} vs {format_seconds(eager.median)} per call "
+            f"({self.comparison.speedup:.2f}x); {verdict}"
+        )
 
     def __repr__(self) -> str:
         return f"CompileCost({self.comparison.candidate.label} vs {self.comparison.baseline.label}: {self._summary()})"
@@ -159,8 +180,10 @@ def compile_cost(
     first_call = time_call(compiled, device)
     graphs = _graphs_compiled() - before
     if graphs == 0:
-        raise ValueError("the first call compiled nothing: the compiled function had already run on these shapes "
-                         "(call torch.compiler.reset() to start afresh)")
+        raise ValueError(
+            "the first call compiled nothing: the compiled function had already run on these shapes "
+            "(call torch.compiler.reset() to start afresh)"
+        )
     comparison = compare(eager, compiled, labels=labels, device=device, repeats=repeats, warmup=warmup)
     return CompileCost(first_call=first_call, graphs=graphs, comparison=comparison)
 
@@ -179,7 +202,7 @@ def _call_body(module: str) -> str:
         return ""
     indent = len(lines[start]) - len(lines[start].lstrip())
     body = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.strip() and len(line) - len(line.lstrip()) <= indent:
             break
         body.append(line)
@@ -213,8 +236,10 @@ class GeneratedCode:
 
     def __repr__(self) -> str:
         rows = [(f"module {index}", ", ".join(names) or "(nothing)") for index, names in enumerate(self.launches, 1)]
-        return (f"GeneratedCode({_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
-                f"{_plural(len(self.kernels), 'generated kernel')})\n" + text_table(("", "runs, in order"), rows))
+        return (
+            f"GeneratedCode({_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
+            f"{_plural(len(self.kernels), 'generated kernel')})\n" + text_table(("", "runs, in order"), rows)
+        )
 
 
 def generated_code(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> GeneratedCode:

@@ -12,6 +12,7 @@
 
 Set ``PERFLAB_DEVICE=cpu`` (or ``cuda:1``, ``mps``...) to override the automatic choice.
 """
+
 from __future__ import annotations
 
 import functools
@@ -95,8 +96,17 @@ def synchronize(device: str | torch.device | None = None) -> None:
 # Tensor methods that copy a value to the host, so on an accelerator the host must first wait
 # for every queued kernel that produces it.
 SYNCING_METHODS = (
-    "item", "tolist", "numpy", "cpu", "nonzero",
-    "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__",
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__repr__",
+    "__format__",
 )
 
 

@@ -20,6 +20,7 @@ operator classes go by name, which is a heuristic: a matmul on tiny matrices is 
 overhead-bound in truth. So the diagnosis lists the operators behind each share: judge them too.
 ``perflab.planted`` holds one short run of each kind, to see (and test) the diagnosis on.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,13 +38,13 @@ from perflab.train_result import PHASES
 KINDS = {"data": "data-bound", "compute": "compute-bound", "memory": "memory-bound", "overhead": "overhead-bound"}
 ADVICE = {
     "data-bound": "feed it faster: decode once, augment whole batches as tensors, DataLoader workers, "
-                  "pin_memory with non_blocking copies (chapter 03)",
+    "pin_memory with non_blocking copies (chapter 03)",
     "compute-bound": "make the arithmetic cheaper: bf16 or fp16 autocast on tensor cores, TF32, channels_last "
-                     "(chapter 04); or do less of it",
+    "(chapter 04); or do less of it",
     "memory-bound": "move fewer bytes: fuse elementwise operators with torch.compile (chapter 06), a fused "
-                    "optimizer, SDPA instead of materialising the attention scores (chapter 08)",
+    "optimizer, SDPA instead of materialising the attention scores (chapter 08)",
     "overhead-bound": "do more per call: a larger batch, fewer syncs (.item(), print), torch.compile, "
-                      "CUDA graphs (mode='reduce-overhead') on a GPU (chapters 01 and 06)",
+    "CUDA graphs (mode='reduce-overhead') on a GPU (chapters 01 and 06)",
 }
 COMPUTE_OPERATOR = re.compile(r"conv|matmul|linear|attention|^(_int_|add|b|baddb)?mm$|^(addmv|mv|dot)$")
 WORK_PHASES = ("fwd", "bwd", "opt")
@@ -68,21 +69,30 @@ class Diagnosis:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{name}</th>" for name in self.shares)
         cells = "".join(f"<td>{share:.0%}</td>" for share in self.shares.values())
-        operators = "".join(f"<tr><td><code>{html.escape(name)}</code></td><td>{kind}</td><td>{share:.1%}</td></tr>"
-                            for name, kind, share in self.operators)
-        return (f"<p><b>{self.kind}</b>: {html.escape(self.advice)}</p><table><tr>{head}</tr><tr>{cells}</tr></table>"
-                f"<table><caption>largest operators</caption><tr><th>operator</th><th>class</th><th>share</th></tr>"
-                f"{operators}</table>")
+        operators = "".join(
+            f"<tr><td><code>{html.escape(name)}</code></td><td>{kind}</td><td>{share:.1%}</td></tr>"
+            for name, kind, share in self.operators
+        )
+        return (
+            f"<p><b>{self.kind}</b>: {html.escape(self.advice)}</p><table><tr>{head}</tr><tr>{cells}</tr></table>"
+            f"<table><caption>largest operators</caption><tr><th>operator</th><th>class</th><th>share</th></tr>"
+            f"{operators}</table>"
+        )
 
 
 def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
     """Classify a profiled run by the largest of its data, compute, memory and overhead shares."""
     events = (run.profiler if isinstance(run, ProfiledRun) else run).events()
-    phases = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                    if e.name in PHASES and e.device_type == DeviceType.CPU)
+    phases = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.name in PHASES and e.device_type == DeviceType.CPU
+    )
     if not phases:
-        raise ValueError("no phase regions in this profile: wrap each phase of the step in "
-                         f"torch.profiler.record_function(name), name one of {', '.join(PHASES)}")
+        raise ValueError(
+            "no phase regions in this profile: wrap each phase of the step in "
+            f"torch.profiler.record_function(name), name one of {', '.join(PHASES)}"
+        )
     on_device = any(e.device_type == DeviceType.CUDA for e in events)
     starts = [start for start, _, _ in phases]
     seconds: dict[str, float] = defaultdict(float)
@@ -97,14 +107,21 @@ def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
             continue  # outside fwd / bwd / opt: the input pipeline's tensor ops count as data
         self_us = event.self_device_time_total if on_device else event.self_cpu_time_total
         by_operator[event.name] += self_us / 1e6
-    classes = {name: "compute" if COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory"
-               for name in by_operator}
+    classes = {
+        name: "compute" if COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory" for name in by_operator
+    }
     for name, spent in by_operator.items():
         seconds[classes[name]] += spent
     total = max(seconds["data"] + seconds["phases"], seconds["data"] + seconds["compute"] + seconds["memory"])
-    shares = {"data": seconds["data"] / total, "compute": seconds["compute"] / total,
-              "memory": seconds["memory"] / total}
+    shares = {
+        "data": seconds["data"] / total,
+        "compute": seconds["compute"] / total,
+        "memory": seconds["memory"] / total,
+    }
     shares["overhead"] = max(0.0, 1 - sum(shares.values()))
     largest = sorted(by_operator.items(), key=lambda item: item[1], reverse=True)[:top]
-    return Diagnosis(kind=KINDS[max(shares, key=shares.get)], shares=shares,
-                     operators=tuple((name, classes[name], spent / total) for name, spent in largest))
+    return Diagnosis(
+        kind=KINDS[max(shares, key=shares.get)],
+        shares=shares,
+        operators=tuple((name, classes[name], spent / total) for name, spent in largest),
+    )

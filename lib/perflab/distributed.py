@@ -18,6 +18,7 @@ its exception in an error file, which the result reads back.
 ``run_as_one_rank(script, *args)`` runs the same script inside this process as the only rank of
 a world of one: a failure shows its traceback in the notebook at once, without starting a job.
 """
+
 from __future__ import annotations
 
 import html
@@ -56,8 +57,11 @@ class RankFailure:
     failed_at: float | None  # when it wrote its error file (seconds since the epoch); None when it left none
 
     def __str__(self) -> str:
-        status = f"signal {signal.Signals(-self.exitcode).name}" if -self.exitcode in signal.valid_signals() \
+        status = (
+            f"signal {signal.Signals(-self.exitcode).name}"
+            if -self.exitcode in signal.valid_signals()
             else f"exit code {self.exitcode}"
+        )
         return f"rank {self.rank} ({status})" + (f": {self.error}" if self.error else "")
 
 
@@ -110,11 +114,13 @@ class Launch:
         cause = f"; first to fail: {self.root_cause}" if self.root_cause else ""
         return f"failed with exit code {self.returncode} after {self.seconds:.1f} s{cause}"
 
-    def check(self) -> "Launch":
+    def check(self) -> Launch:
         """Return this launch if it succeeded; otherwise raise LaunchFailed with the cause and the last output."""
         if not self.ok:
-            raise LaunchFailed(f"{Path(self.script).name} on {self.nproc} ranks {self.status}\n"
-                               f"--- last lines of torchrun's output ---\n{_tail(self.console, 30)}")
+            raise LaunchFailed(
+                f"{Path(self.script).name} on {self.nproc} ranks {self.status}\n"
+                f"--- last lines of torchrun's output ---\n{_tail(self.console, 30)}"
+            )
         return self
 
     def __repr__(self) -> str:
@@ -122,11 +128,15 @@ class Launch:
 
     def _repr_html_(self) -> str:
         colour = "#2ca02c" if self.ok else "#d62728"
-        rows = "".join(f"<tr><td>{rank}</td><td><pre style='margin:0'>{html.escape(_tail(text, 6))}</pre></td></tr>"
-                       for rank, text in sorted(self.rank_outputs.items()))
-        return (f"<p><b>{html.escape(Path(self.script).name)}</b> on {self.nproc} ranks: "
-                f"<span style='color:{colour}'>{html.escape(self.status)}</span></p>"
-                f"<table><tr><th>rank</th><th>last lines of its output</th></tr>{rows}</table>")
+        rows = "".join(
+            f"<tr><td>{rank}</td><td><pre style='margin:0'>{html.escape(_tail(text, 6))}</pre></td></tr>"
+            for rank, text in sorted(self.rank_outputs.items())
+        )
+        return (
+            f"<p><b>{html.escape(Path(self.script).name)}</b> on {self.nproc} ranks: "
+            f"<span style='color:{colour}'>{html.escape(self.status)}</span></p>"
+            f"<table><tr><th>rank</th><th>last lines of its output</th></tr>{rows}</table>"
+        )
 
 
 def _tail(text: str, lines: int) -> str:
@@ -135,12 +145,25 @@ def _tail(text: str, lines: int) -> str:
 
 def torchrun_command(script: str | os.PathLike, args: tuple[str, ...], *, nproc: int, log_dir: Path) -> list[str]:
     """The torchrun command line: one machine, ``nproc`` ranks, each rank's output teed into ``log_dir``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--log-dir", str(log_dir), "--tee", "3", str(script), *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--log-dir",
+        str(log_dir),
+        "--tee",
+        "3",
+        str(script),
+        *map(str, args),
+    ]
 
 
-def launch(script: str | os.PathLike, *args, nproc: int = 2, timeout_s: float = 120,
-           threads_per_rank: int = 1) -> Launch:
+def launch(
+    script: str | os.PathLike, *args, nproc: int = 2, timeout_s: float = 120, threads_per_rank: int = 1
+) -> Launch:
     """Run ``torchrun script args`` on ``nproc`` local ranks and wait at most ``timeout_s`` seconds.
 
     Each rank runs PyTorch on ``threads_per_rank`` CPU threads (``OMP_NUM_THREADS``): ranks that
@@ -157,8 +180,15 @@ def launch(script: str | os.PathLike, *args, nproc: int = 2, timeout_s: float = 
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as log_dir:
         command = torchrun_command(script, tuple(args), nproc=nproc, log_dir=Path(log_dir))
         start = time.perf_counter()
-        process = subprocess.Popen(command, cwd=script.parent, env=env, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command,
+            cwd=script.parent,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             console, _ = process.communicate(timeout=timeout_s)
             returncode = process.returncode
@@ -167,9 +197,18 @@ def launch(script: str | os.PathLike, *args, nproc: int = 2, timeout_s: float = 
             returncode = None
         seconds, ended_at = time.perf_counter() - start, time.time()
         rank_outputs, errors = _read_rank_logs(Path(log_dir))
-    return Launch(script=str(script), nproc=nproc, command=tuple(command), returncode=returncode, seconds=seconds,
-                  ended_at=ended_at, timeout_s=timeout_s, console=console, rank_outputs=rank_outputs,
-                  failures=_failures(console, errors) if returncode not in (0, None) else ())
+    return Launch(
+        script=str(script),
+        nproc=nproc,
+        command=tuple(command),
+        returncode=returncode,
+        seconds=seconds,
+        ended_at=ended_at,
+        timeout_s=timeout_s,
+        console=console,
+        rank_outputs=rank_outputs,
+        failures=_failures(console, errors) if returncode not in (0, None) else (),
+    )
 
 
 def _stop(process: subprocess.Popen) -> str:
@@ -202,8 +241,11 @@ def _read_rank_logs(log_dir: Path) -> tuple[dict[int, str], dict[int, tuple[int,
         return outputs, errors
     for rank_dir in sorted(attempts[-1].iterdir(), key=lambda path: int(path.name)):
         rank = int(rank_dir.name)
-        outputs[rank] = "".join((rank_dir / name).read_text(errors="replace")
-                                for name in ("stdout.log", "stderr.log") if (rank_dir / name).is_file())
+        outputs[rank] = "".join(
+            (rank_dir / name).read_text(errors="replace")
+            for name in ("stdout.log", "stderr.log")
+            if (rank_dir / name).is_file()
+        )
         error_file = rank_dir / "error.json"
         if error_file.is_file():
             errors[rank] = (error_file.stat().st_mtime_ns, json.loads(error_file.read_text())["message"]["message"])
@@ -221,8 +263,15 @@ def _failures(console: str, errors: dict[int, tuple[int, str]]) -> tuple[RankFai
     exitcodes = {int(rank): int(code) for rank, code in _FAILURE.findall(console)}
     never = float("inf")
     order = sorted(exitcodes, key=lambda rank: (errors.get(rank, (never, ""))[0], rank))
-    return tuple(RankFailure(rank=rank, exitcode=exitcodes[rank], error=errors[rank][1] if rank in errors else "",
-                             failed_at=errors[rank][0] / 1e9 if rank in errors else None) for rank in order)
+    return tuple(
+        RankFailure(
+            rank=rank,
+            exitcode=exitcodes[rank],
+            error=errors[rank][1] if rank in errors else "",
+            failed_at=errors[rank][0] / 1e9 if rank in errors else None,
+        )
+        for rank in order
+    )
 
 
 def _free_port() -> int:
@@ -243,8 +292,14 @@ def run_as_one_rank(script: str | os.PathLike, *args) -> None:
         raise FileNotFoundError(f"no script at {script}")
     if dist.is_initialized():
         raise RuntimeError("this process already has a default process group; destroy it first")
-    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    torchrun_env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
     saved_env = {name: os.environ.get(name) for name in torchrun_env}
     saved_argv, saved_path = sys.argv, list(sys.path)
     os.environ.update(torchrun_env)

@@ -6,6 +6,7 @@
 Support is not speed: a CPU "supports" bf16 and still runs it slower than fp32 when it has no
 bf16 units, so the report times a matmul in each dtype rather than reading a feature flag.
 """
+
 from __future__ import annotations
 
 import html
@@ -113,14 +114,21 @@ def dtype_speed_checks(device: torch.device, size: int = 512) -> list[Check]:
             continue
         ratio = fp32.median / timing.median
         verdict = "faster" if ratio > 1.1 else "slower" if ratio < 0.9 else "no faster"
-        checks.append(Check(
-            "precision", f"matmul {size}x{size} {name}",
-            f"{format_seconds(timing.median)}: {ratio:.2f}x fp32's speed, {verdict}",
-        ))
+        checks.append(
+            Check(
+                "precision",
+                f"matmul {size}x{size} {name}",
+                f"{format_seconds(timing.median)}: {ratio:.2f}x fp32's speed, {verdict}",
+            )
+        )
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         tf32 = "available" if major >= 8 else "not on this GPU (needs compute capability 8.0+)"
-        checks.append(Check("precision", "TF32 tensor cores", f"{tf32}; matmul precision '{torch.get_float32_matmul_precision()}'"))
+        checks.append(
+            Check(
+                "precision", "TF32 tensor cores", f"{tf32}; matmul precision '{torch.get_float32_matmul_precision()}'"
+            )
+        )
     else:
         checks.append(Check("precision", "TF32 tensor cores", "n/a (an NVIDIA Ampere-or-newer feature)"))
     return checks
@@ -133,7 +141,12 @@ def sdpa_checks(device: torch.device) -> list[Check]:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     q = torch.randn(1, 2, 64, 32, device=device, dtype=dtype)
     checks = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
         try:
             with sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -170,7 +183,11 @@ def distributed_checks() -> list[Check]:
     if not dist.is_available():
         return [Check("distributed", "torch.distributed", "not in this build")]
     checks = []
-    for backend, built in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()), ("mpi", dist.is_mpi_available())):
+    for backend, built in (
+        ("gloo", dist.is_gloo_available()),
+        ("nccl", dist.is_nccl_available()),
+        ("mpi", dist.is_mpi_available()),
+    ):
         if not built:
             checks.append(Check("distributed", backend, "not in this build"))
         elif backend == "nccl" and not torch.cuda.is_available():
@@ -200,7 +217,11 @@ def doctor(device: str | torch.device | None = None) -> DoctorReport:
     """Measure and report what this machine can do; takes a few seconds (compiling dominates)."""
     device = pick_device(device)
     checks = (
-        machine_checks(device) + version_checks() + dtype_speed_checks(device)
-        + sdpa_checks(device) + compile_checks(device) + distributed_checks()
+        machine_checks(device)
+        + version_checks()
+        + dtype_speed_checks(device)
+        + sdpa_checks(device)
+        + compile_checks(device)
+        + distributed_checks()
     )
     return DoctorReport(tuple(checks))

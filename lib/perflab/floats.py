@@ -20,6 +20,7 @@ the top 10 of their 23 mantissa bits, when ``torch.set_float32_matmul_precision(
 Here the float32 value is rounded to 10 mantissa bits, to nearest, ties to even, and kept in a
 float32 tensor whose low 13 bits are zero; the tensor cores' own conversion may differ in the last bit.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,14 @@ from matplotlib.patches import Patch, Rectangle
 from perflab.tables import text_table
 
 FORMATS = ("float32", "tfloat32", "bfloat16", "float16")
-ALIASES = {"fp32": "float32", "tf32": "tfloat32", "tensorfloat32": "tfloat32", "bf16": "bfloat16",
-           "fp16": "float16", "half": "float16"}
+ALIASES = {
+    "fp32": "float32",
+    "tf32": "tfloat32",
+    "tensorfloat32": "tfloat32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 FIELD_COLOURS = {"sign": "#f4a3a3", "exponent": "#a9c9f2", "mantissa": "#b8e2b0"}
 _INT_OF_WIDTH = {32: torch.int32, 16: torch.int16}
 TF32_MANTISSA_BITS = 10
@@ -50,8 +57,9 @@ def _format_name(dtype: str | torch.dtype) -> str:
     else:
         raise TypeError(f"a float format is a name or a torch dtype, got {type(dtype).__name__} {dtype!r}")
     if name not in FORMATS:
-        raise ValueError(f"unknown float format {dtype!r}: choose one of {', '.join(FORMATS)} "
-                         f"(or {', '.join(ALIASES)})")
+        raise ValueError(
+            f"unknown float format {dtype!r}: choose one of {', '.join(FORMATS)} (or {', '.join(ALIASES)})"
+        )
     return name
 
 
@@ -145,8 +153,10 @@ class FloatBits:
         return tuple(name for name in ("overflow", "underflow", "subnormal") if getattr(self, name))
 
     def _bits_html(self) -> str:
-        boxes = (f'<span title="{field}" style="background:{FIELD_COLOURS[field]};color:#000">{bits}</span>'
-                 for field, bits in self.fields)
+        boxes = (
+            f'<span title="{field}" style="background:{FIELD_COLOURS[field]};color:#000">{bits}</span>'
+            for field, bits in self.fields
+        )
         return "<code>" + " ".join(boxes) + "</code>"
 
     def _row(self, bits: str) -> tuple[str, ...]:
@@ -155,8 +165,10 @@ class FloatBits:
 
     def __repr__(self) -> str:
         flags = "".join(f", {flag}" for flag in self.flags)
-        return (f"FloatBits({self.format}: {self.value!r} -> {self.stored!r}, sign {self.sign} exponent "
-                f"{self.exponent} mantissa {self.mantissa}, relative error {self.relative_error:.1e}{flags})")
+        return (
+            f"FloatBits({self.format}: {self.value!r} -> {self.stored!r}, sign {self.sign} exponent "
+            f"{self.exponent} mantissa {self.mantissa}, relative error {self.relative_error:.1e}{flags})"
+        )
 
     def _repr_html_(self) -> str:
         return _html_table(_BITS_HEADER, [self._row(self._bits_html())], caption=f"{self.value!r} as {self.format}")
@@ -181,9 +193,14 @@ def float_bits(value: float, dtype: str | torch.dtype) -> FloatBits:
     # view() reinterprets the same bytes as a signed integer; the mask turns it into the unsigned pattern.
     pattern = format(stored.view(_INT_OF_WIDTH[width]).item() & (2**width - 1), f"0{width}b")
     exponent_bits, mantissa_bits = _field_widths(name)
-    return FloatBits(value=number, format=name, stored=stored.item(), sign=pattern[0],
-                     exponent=pattern[1:1 + exponent_bits],
-                     mantissa=pattern[1 + exponent_bits:1 + exponent_bits + mantissa_bits])
+    return FloatBits(
+        value=number,
+        format=name,
+        stored=stored.item(),
+        sign=pattern[0],
+        exponent=pattern[1 : 1 + exponent_bits],
+        mantissa=pattern[1 + exponent_bits : 1 + exponent_bits + mantissa_bits],
+    )
 
 
 @dataclass(frozen=True)
@@ -201,8 +218,11 @@ class FormatComparison:
         return f"FormatComparison({self.value!r})\n" + text_table(_BITS_HEADER, rows)
 
     def _repr_html_(self) -> str:
-        return _html_table(_BITS_HEADER, [result._row(result._bits_html()) for result in self.results],
-                           caption=f"{self.value!r} in each format")
+        return _html_table(
+            _BITS_HEADER,
+            [result._row(result._bits_html()) for result in self.results],
+            caption=f"{self.value!r} in each format",
+        )
 
 
 def compare_formats(value: float) -> FormatComparison:
@@ -232,8 +252,10 @@ class FormatRanges:
         return {limits.format: limits for limits in self.ranges}[_format_name(dtype)]
 
     def _rows(self) -> list[tuple[str, ...]]:
-        return [(r.format, f"{r.max_finite:.6g}", f"{r.smallest_normal:.6g}", f"{r.epsilon:.6g}", str(r.decimal_digits))
-                for r in self.ranges]
+        return [
+            (r.format, f"{r.max_finite:.6g}", f"{r.smallest_normal:.6g}", f"{r.epsilon:.6g}", str(r.decimal_digits))
+            for r in self.ranges
+        ]
 
     def __repr__(self) -> str:
         return "FormatRanges\n" + text_table(_RANGES_HEADER, self._rows())
@@ -244,6 +266,7 @@ class FormatRanges:
 
 def format_ranges() -> FormatRanges:
     """``format_ranges()["float16"].max_finite`` is 65504.0: each format's limits, from ``torch.finfo``."""
+
     def limits(name: str) -> FormatRange:
         exponent, mantissa = _field_widths(name)
         # As finfo.resolution reports it: a mantissa of m bits keeps floor(m * log10(2)) decimal digits.
@@ -253,6 +276,7 @@ def format_ranges() -> FormatRanges:
             return FormatRange(name, largest, torch.finfo(torch.float32).smallest_normal, 2.0**-mantissa, digits)
         info = torch.finfo(getattr(torch, name))
         return FormatRange(name, info.max, info.smallest_normal, info.eps, digits)
+
     return FormatRanges(tuple(limits(name) for name in FORMATS))
 
 
@@ -274,15 +298,27 @@ def bit_layout_figure(value: float) -> Figure:
     ax.set_xlim(0, width)
     ax.set_ylim(len(results) - 0.5, -0.5)
     ax.set_xticks([position + 0.5 for position in range(width)], [str(p) for p in range(width)], fontsize=7)
-    ax.set_yticks(range(len(results)), [f"{r.format}\n{r.stored!r}" + "".join(f" ({flag})" for flag in r.flags)
-                                        for r in results])
+    ax.set_yticks(
+        range(len(results)), [f"{r.format}\n{r.stored!r}" + "".join(f" ({flag})" for flag in r.flags) for r in results]
+    )
     ax.set_xlabel("bit position (most significant first)")
     ax.set_title(f"How {comparison.value!r} is stored in each format")
-    ax.legend(handles=[Patch(facecolor=colour, label=field) for field, colour in FIELD_COLOURS.items()],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(facecolor=colour, label=field) for field, colour in FIELD_COLOURS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_frame_on(False)
-    figure.text(0.01, 0.005, f"bits read from torch tensors with tensor.view(int), torch {torch.__version__}; "
-                "converted from float64 (torch rounds through float32), ties to even; TF32 is float32 rounded "
-                "to 10 mantissa bits here (tensor cores may round differently)", fontsize=7, color="#555555")
+    figure.text(
+        0.01,
+        0.005,
+        f"bits read from torch tensors with tensor.view(int), torch {torch.__version__}; "
+        "converted from float64 (torch rounds through float32), ties to even; TF32 is float32 rounded "
+        "to 10 mantissa bits here (tensor cores may round differently)",
+        fontsize=7,
+        color="#555555",
+    )
     figure.tight_layout(rect=(0, 0.04, 1, 1))
     return figure

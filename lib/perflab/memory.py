@@ -13,12 +13,13 @@
 On a GPU ``torch.cuda.max_memory_allocated`` also counts the caching allocator's view; the
 saved-tensor count is the part of it that activation checkpointing shrinks, on any device.
 """
+
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,8 +97,9 @@ def new_tensors(args, kwargs, out) -> list[torch.Tensor]:
     A view or an in-place op returns storage one of its inputs already has: that is no new memory.
     """
     inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-    return [t for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+    return [
+        t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+    ]
 
 
 class _StorageTracker(TorchDispatchMode):

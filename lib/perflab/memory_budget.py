@@ -16,12 +16,13 @@ with torch 2.14, the estimate is exact to the byte. On CUDA autocast runs softma
 dropout keeps a bool mask and SDPA picks other kernels, so there the activations are an
 approximation: check them against ``measure_training_memory(..., device="cuda")``.
 """
+
 from __future__ import annotations
 
 import html
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 import torch
 
@@ -62,8 +63,9 @@ class TrainingMemory:
         rows = [(_label(c), getattr(self, c)) for c in COMPONENTS] + [("total", self.total)]
         if self.peak_allocated is not None:
             rows.append(("peak allocated", self.peak_allocated))
-        body = "".join(f"<tr><th style='text-align:left'>{name}</th><td>{count / 1e6:.2f} MB</td></tr>"
-                       for name, count in rows)
+        body = "".join(
+            f"<tr><th style='text-align:left'>{name}</th><td>{count / 1e6:.2f} MB</td></tr>" for name, count in rows
+        )
         return f"<table><caption>{html.escape(self.source)}</caption>{body}</table>"
 
 
@@ -115,13 +117,18 @@ def _check_workload(config: GPTConfig, batch_size: int, seq_len: int, precision:
 
 
 def estimate_training_memory(
-    config: GPTConfig, *, batch_size: int, seq_len: int, precision: str = "float32",
-    optimizer: str = "adamw", checkpointing: bool | None = None,
+    config: GPTConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "float32",
+    optimizer: str = "adamw",
+    checkpointing: bool | None = None,
 ) -> TrainingMemory:
     """Closed-form bytes of one training step of ``GPT(config)``; ``checkpointing=None`` follows the config.
 
-        >>> estimate_training_memory(GPTConfig(), batch_size=32, seq_len=128, precision="bfloat16").activations
-        85099524
+    >>> estimate_training_memory(GPTConfig(), batch_size=32, seq_len=128, precision="bfloat16").activations
+    85099524
     """
     _check_workload(config, batch_size, seq_len, precision, optimizer)
     checkpointing = config.checkpoint_blocks if checkpointing is None else checkpointing
@@ -138,8 +145,11 @@ def estimate_training_memory(
         "sgd_momentum": weights,  # one momentum buffer per parameter
     }[optimizer]
     return TrainingMemory(
-        parameters=weights, gradients=weights, optimizer_state=optimizer_state,
-        activations=_activation_bytes(config, batch_size, seq_len, precision, checkpointing), source="estimate",
+        parameters=weights,
+        gradients=weights,
+        optimizer_state=optimizer_state,
+        activations=_activation_bytes(config, batch_size, seq_len, precision, checkpointing),
+        source="estimate",
     )
 
 
@@ -156,11 +166,13 @@ def _activation_bytes(config: GPTConfig, batch: int, length: int, precision: str
     else:
         blocks = config.n_layer * _block_bytes(config, batch, length, matmul)
     head = (
-        residual + 2 * tokens * FLOAT32  # final LayerNorm: its input, mean and 1/std per token
+        residual
+        + 2 * tokens * FLOAT32  # final LayerNorm: its input, mean and 1/std per token
         + tokens * C * matmul  # the output head's input
         + (V * C * BFLOAT16 if autocast else 0)  # the head's bfloat16 copy of the tied embedding matrix
         + tokens * V * FLOAT32  # log-probabilities: cross_entropy runs on float32 logits
-        + tokens * INT64 + FLOAT32  # targets, and the loss's normalizer (a float32 scalar)
+        + tokens * INT64
+        + FLOAT32  # targets, and the loss's normalizer (a float32 scalar)
     )
     return embeddings + blocks + head
 
@@ -236,13 +248,19 @@ def _tiled_attention_bytes(config: GPTConfig, batch: int, length: int, matmul: i
 
 
 def measure_training_memory(
-    config: GPTConfig, *, batch_size: int, seq_len: int, precision: str = "float32",
-    optimizer: str = "adamw", checkpointing: bool | None = None, device: str | torch.device = "cpu",
+    config: GPTConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "float32",
+    optimizer: str = "adamw",
+    checkpointing: bool | None = None,
+    device: str | torch.device = "cpu",
 ) -> TrainingMemory:
     """Build ``GPT(config)`` on ``device`` and run one training step on random tokens, counting as it goes.
 
-        >>> measure_training_memory(GPTConfig(n_layer=2), batch_size=4, seq_len=64, optimizer="sgd")
-        TrainingMemory(measured on cpu, torch 2.14.1: 8.31 MB = parameters 1.78 + gradients 1.78 + optimizer state 0.00 + activations 4.74)
+    >>> measure_training_memory(GPTConfig(n_layer=2), batch_size=4, seq_len=64, optimizer="sgd")
+    TrainingMemory(measured on cpu, torch 2.14.1: 8.31 MB = parameters 1.78 + gradients 1.78 + optimizer state 0.00 + activations 4.74)
     """
     _check_workload(config, batch_size, seq_len, precision, optimizer)
     checkpointing = config.checkpoint_blocks if checkpointing is None else checkpointing
@@ -263,8 +281,10 @@ def measure_training_memory(
     torch_optimizer.step()
     state = (value for values in torch_optimizer.state.values() for value in values.values() if torch.is_tensor(value))
     return TrainingMemory(
-        parameters=sum(weights.values()), gradients=gradients,
-        optimizer_state=sum(_storages(state).values()), activations=activations,
+        parameters=sum(weights.values()),
+        gradients=gradients,
+        optimizer_state=sum(_storages(state).values()),
+        activations=activations,
         source=f"measured on {device}, torch {torch.__version__}",
         peak_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )

@@ -11,12 +11,13 @@ decoding every JPEG every epoch; the cached path decodes and resizes each image 
 in a file beside the dataset), then crops and flips a whole batch with a few tensor ops, on
 whichever device holds the cache (``cache.to("cuda")``: the GPU augments its own batches).
 """
+
 from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -32,19 +33,36 @@ CROP = 32
 def pil_transform(train: bool) -> transforms.Compose:
     """The per-sample torchvision pipeline, the way most tutorials write it."""
     crop = [transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip()] if train else [transforms.CenterCrop(CROP)]
-    return transforms.Compose([
-        transforms.Resize(RESIZE), *crop, transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3),
-    ])
+    return transforms.Compose(
+        [
+            transforms.Resize(RESIZE),
+            *crop,
+            transforms.ToTensor(),
+            transforms.Normalize((0.5,) * 3, (0.5,) * 3),
+        ]
+    )
 
 
-def pil_loader(split_dir: str | os.PathLike, *, batch_size: int, seed: int = 0, num_workers: int = 0,
-               pin_memory: bool = False, persistent_workers: bool = False,
-               prefetch_factor: int | None = None) -> DataLoader:
+def pil_loader(
+    split_dir: str | os.PathLike,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
     """A shuffled ``DataLoader`` over an ``ImageFolder`` with :func:`pil_transform`."""
     dataset = ImageFolder(split_dir, transform=pil_transform(train=True))
     return DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed),
-        num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0,
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers and num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
 
@@ -101,7 +119,7 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator) -> torch.
 def center_crop(images: torch.Tensor) -> torch.Tensor:
     top = (images.shape[-2] - CROP) // 2
     left = (images.shape[-1] - CROP) // 2
-    return images[..., top:top + CROP, left:left + CROP]
+    return images[..., top : top + CROP, left : left + CROP]
 
 
 def to_model_input(images: torch.Tensor) -> torch.Tensor:
@@ -109,8 +127,9 @@ def to_model_input(images: torch.Tensor) -> torch.Tensor:
     return images.float().div_(127.5).sub_(1.0)
 
 
-def cached_batches(cache: CachedImages, *, batch_size: int, seed: int = 0,
-                   pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def cached_batches(
+    cache: CachedImages, *, batch_size: int, seed: int = 0, pin_memory: bool = False
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One shuffled epoch of ``(uint8 images [B, 3, 32, 32], labels)``, augmented a batch at a time.
 
     The batches are on the cache's device. ``index_select`` copies whole images: on a CPU it is
@@ -119,7 +138,7 @@ def cached_batches(cache: CachedImages, *, batch_size: int, seed: int = 0,
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(cache), generator=generator).to(cache.images.device)
     for start in range(0, len(order), batch_size):
-        index = order[start:start + batch_size]
+        index = order[start : start + batch_size]
         images = random_crop_flip(cache.images.index_select(0, index), generator)
         labels = cache.labels.index_select(0, index)
         if pin_memory and images.device.type == "cpu":  # a cache on the GPU needs no copy to get there

@@ -13,11 +13,12 @@ belongs to the run *and* the machine. They also run on one thread: a multi-threa
 a machine shared with other busy processes can stall many times over waiting for its second
 thread to be scheduled, which would misname the run.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 import torch
 from torch.profiler import profile, record_function
@@ -44,14 +45,20 @@ def _one_thread() -> Iterator[None]:
 @_one_thread()
 def data_bound() -> ProfiledRun:
     """Per-sample JPEG decoding and PIL transforms in the training process, feeding a narrow ResNet."""
-    return profile_training(NAIVE, replace(PLANTED_IMAGES, model=ResNetConfig(widths=(4, 8, 16))), steps=6, device="cpu")
+    return profile_training(
+        NAIVE, replace(PLANTED_IMAGES, model=ResNetConfig(widths=(4, 8, 16))), steps=6, device="cpu"
+    )
 
 
 @_one_thread()
 def compute_bound() -> ProfiledRun:
     """Batches already in memory, a wider ResNet and a batch of 128: convolutions fill the step."""
-    return profile_training(replace(OPTIMIZED, name="wide ResNet, batch 128", pipeline="memory", batch_size=128),
-                            replace(PLANTED_IMAGES, model=ResNetConfig(widths=(32, 64, 128))), steps=4, device="cpu")
+    return profile_training(
+        replace(OPTIMIZED, name="wide ResNet, batch 128", pipeline="memory", batch_size=128),
+        replace(PLANTED_IMAGES, model=ResNetConfig(widths=(32, 64, 128))),
+        steps=4,
+        device="cpu",
+    )
 
 
 @_one_thread()
@@ -83,9 +90,12 @@ def memory_bound(steps: int = 2) -> profile:
 @_one_thread()
 def overhead_bound() -> ProfiledRun:
     """One image per step through a tiny ResNet: Python and dispatch between operators that do almost nothing."""
-    return profile_training(replace(OPTIMIZED, name="tiny ResNet, batch 1", pipeline="memory", batch_size=1,
-                                    channels_last=False),
-                            replace(PLANTED_IMAGES, model=ResNetConfig(widths=(4, 8, 8))), steps=12, device="cpu")
+    return profile_training(
+        replace(OPTIMIZED, name="tiny ResNet, batch 1", pipeline="memory", batch_size=1, channels_last=False),
+        replace(PLANTED_IMAGES, model=ResNetConfig(widths=(4, 8, 8))),
+        steps=12,
+        device="cpu",
+    )
 
 
 PLANTED_RUNS = dict(zip(PLANTED_KINDS, (data_bound, compute_bound, memory_bound, overhead_bound)))

@@ -1,19 +1,20 @@
 """Pictures of measurements: each has a title, labelled axes with units, and says where its numbers came from.
 
-    >>> from perflab.plots import phase_timeline, speedup_waterfall
-    >>> speedup_waterfall([baseline, cached, final])        # samples/s gained or lost by each change
-    >>> phase_timeline([baseline, final], seconds=0.5)       # where the first half second of each run went
-    >>> trace_timeline(profile_training(NAIVE, steps=8))     # the profiler's trace: host and device rows, gaps
-    >>> throughput_curve([32, 64, 128], results, knob="batch size")
-    >>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
-    >>> ceiling_chart(measure_against_ceiling(pipelines, step, ceiling_batches))   # samples/s, ceiling as a line
-    >>> diagnosis_shares({kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}, caption="measured on ...")
-    >>> tradeoff_curve(measure_tradeoff(variants, parameters=model.parameters()), caption="GPT, 6 blocks, on ...")
-    >>> break_even_chart({"chain": compile_cost(eager, compiled)}, caption="measured on ...")  # when compiling pays
+>>> from perflab.plots import phase_timeline, speedup_waterfall
+>>> speedup_waterfall([baseline, cached, final])        # samples/s gained or lost by each change
+>>> phase_timeline([baseline, final], seconds=0.5)       # where the first half second of each run went
+>>> trace_timeline(profile_training(NAIVE, steps=8))     # the profiler's trace: host and device rows, gaps
+>>> throughput_curve([32, 64, 128], results, knob="batch size")
+>>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
+>>> ceiling_chart(measure_against_ceiling(pipelines, step, ceiling_batches))   # samples/s, ceiling as a line
+>>> diagnosis_shares({kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}, caption="measured on ...")
+>>> tradeoff_curve(measure_tradeoff(variants, parameters=model.parameters()), caption="GPT, 6 blocks, on ...")
+>>> break_even_chart({"chain": compile_cost(eager, compiled)}, caption="measured on ...")  # when compiling pays
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -31,8 +32,10 @@ PHASE_COLOURS = dict(zip(PHASES, ("#d62728", "#9467bd", "#1f77b4", "#ff7f0e", "#
 def provenance(result: TrainResult) -> str:
     """One line naming the machine and software a result was measured with."""
     env = result.environment
-    return (f"measured on {env['device_name']} ({env['device']}, {env['threads']} threads), "
-            f"torch {env['torch']}, {env['date']}, commit {env['commit']}")
+    return (
+        f"measured on {env['device_name']} ({env['device']}, {env['threads']} threads), "
+        f"torch {env['torch']}, {env['date']}, commit {env['commit']}"
+    )
 
 
 def speedup_waterfall(results: Sequence[TrainResult], *, title: str = "Where the speedup came from") -> Figure:
@@ -43,8 +46,13 @@ def speedup_waterfall(results: Sequence[TrainResult], *, title: str = "Where the
     for index in range(1, len(rates)):
         change = rates[index] - rates[index - 1]
         ax.bar(index, change, bottom=rates[index - 1], color="#2ca02c" if change >= 0 else "#d62728")
-        ax.annotate(f"{rates[index] / rates[index - 1]:.2f}x", (index, max(rates[index], rates[index - 1])),
-                    ha="center", va="bottom", fontsize=9)
+        ax.annotate(
+            f"{rates[index] / rates[index - 1]:.2f}x",
+            (index, max(rates[index], rates[index - 1])),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     ax.bar(len(rates), rates[-1], color="#1f77b4")
     ax.annotate(f"{rates[-1] / rates[0]:.2f}x in all", (len(rates), rates[-1]), ha="center", va="bottom", fontsize=9)
     ax.set_xticks(range(len(rates) + 1), [result.name for result in results] + ["total"], rotation=20, ha="right")
@@ -63,23 +71,30 @@ def _draw_timeline(rows: dict[str, list[Span]], *, seconds: float, title: str, c
     for index, spans in enumerate(rows.values()):
         for span in spans:
             if span.start_s < seconds:
-                ax.broken_barh([(span.start_s * 1e3, span.duration_s * 1e3)], (index - 0.35, 0.7),
-                               color=colours[span.name])
+                ax.broken_barh(
+                    [(span.start_s * 1e3, span.duration_s * 1e3)], (index - 0.35, 0.7), color=colours[span.name]
+                )
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, seconds * 1e3)
     ax.set_xlabel("time since the first step (ms)")
     ax.set_title(title)
     names = sorted({span.name for spans in rows.values() for span in spans}, key=list(colours).index)
-    ax.legend(handles=[Patch(color=colours[name], label=name) for name in names],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(color=colours[name], label=name) for name in names],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.03, 1, 1))
     return figure
 
 
-def phase_timeline(results: Sequence[TrainResult], *, seconds: float = 0.5,
-                   title: str = "The first training steps, phase by phase") -> Figure:
+def phase_timeline(
+    results: Sequence[TrainResult], *, seconds: float = 0.5, title: str = "The first training steps, phase by phase"
+) -> Figure:
     """One row per run: its first ``seconds`` of steps, phases laid end to end from the step timer."""
     rows = {}
     for result in results:
@@ -94,8 +109,7 @@ def phase_timeline(results: Sequence[TrainResult], *, seconds: float = 0.5,
     return _draw_timeline(rows, seconds=seconds, title=title, caption=provenance(results[-1]))
 
 
-def trace_timeline(run: ProfiledRun, *, seconds: float | None = None,
-                   title: str | None = None) -> Figure:
+def trace_timeline(run: ProfiledRun, *, seconds: float | None = None, title: str | None = None) -> Figure:
     """The profiler's own trace: phase regions on the host row, kernels on the device row (on a GPU).
 
     Gaps are real: time the host spent outside every phase, or the device spent idle.
@@ -109,12 +123,17 @@ def trace_timeline(run: ProfiledRun, *, seconds: float | None = None,
     else:
         caption += "; on a CPU the operators run inside the host's phases: there is no separate device row"
     end = max(span.start_s + span.duration_s for span in spans)
-    return _draw_timeline(rows, seconds=seconds or end, caption=caption,
-                          title=title or f"Profiler trace of {len(run.result.steps)} steps of {run.result.name}")
+    return _draw_timeline(
+        rows,
+        seconds=seconds or end,
+        caption=caption,
+        title=title or f"Profiler trace of {len(run.result.steps)} steps of {run.result.name}",
+    )
 
 
-def throughput_curve(values: Sequence, results: Sequence[TrainResult], *, knob: str,
-                     title: str | None = None) -> Figure:
+def throughput_curve(
+    values: Sequence, results: Sequence[TrainResult], *, knob: str, title: str | None = None
+) -> Figure:
     """Samples/s against one knob (batch size, workers...), one measured run per value."""
     figure, ax = plt.subplots(figsize=(6, 4))
     ax.plot([str(v) for v in values], [r.samples_per_s for r in results], marker="o")
@@ -127,12 +146,15 @@ def throughput_curve(values: Sequence, results: Sequence[TrainResult], *, knob: 
     return figure
 
 
-def memory_curve(values: Sequence, memories: Sequence, *, knob: str, caption: str,
-                 title: str | None = None) -> Figure:
+def memory_curve(values: Sequence, memories: Sequence, *, knob: str, caption: str, title: str | None = None) -> Figure:
     """Training memory against one knob, stacked by where it goes; ``memories`` are ``TrainingMemory``s."""
     figure, ax = plt.subplots(figsize=(6, 4))
-    ax.stackplot([float(v) for v in values], *[[getattr(m, part) / 1e6 for m in memories] for part in COMPONENTS],
-                 labels=[part.replace("_", " ") for part in COMPONENTS], alpha=0.85)
+    ax.stackplot(
+        [float(v) for v in values],
+        *[[getattr(m, part) / 1e6 for m in memories] for part in COMPONENTS],
+        labels=[part.replace("_", " ") for part in COMPONENTS],
+        alpha=0.85,
+    )
     ax.set_xlabel(knob)
     ax.set_ylabel("memory (MB)")
     ax.set_title(title or f"Training memory against {knob}")
@@ -164,8 +186,12 @@ def ceiling_chart(measured, *, title: str = "Input pipelines against their compu
 SHARE_COLOURS = {"data": "#d62728", "compute": "#1f77b4", "memory": "#ff7f0e", "overhead": "#7f7f7f"}
 
 
-def diagnosis_shares(diagnoses: Mapping[str, Diagnosis], *, caption: str,
-                     title: str = "Where the steps' time went, and the kind of run it makes") -> Figure:
+def diagnosis_shares(
+    diagnoses: Mapping[str, Diagnosis],
+    *,
+    caption: str,
+    title: str = "Where the steps' time went, and the kind of run it makes",
+) -> Figure:
     """One bar per run: its data, compute, memory and overhead shares, labelled with the kind they give."""
     names = list(diagnoses)
     figure, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(names)))
@@ -193,10 +219,18 @@ def tradeoff_curve(tradeoff, *, caption: str, title: str = "Compute against memo
     figure, ax = plt.subplots(figsize=(8, 4.2))
     relative = [tradeoff.relative_time(v.label) for v in tradeoff.variants]
     ax.plot([v.peak_bytes / 1e6 for v in tradeoff.variants], relative, marker="o", label="peak of forward + backward")
-    ax.plot([v.saved_bytes / 1e6 for v in tradeoff.variants], relative, marker="o", markerfacecolor="none",
-            linestyle=":", label="activations kept for backward")
+    ax.plot(
+        [v.saved_bytes / 1e6 for v in tradeoff.variants],
+        relative,
+        marker="o",
+        markerfacecolor="none",
+        linestyle=":",
+        label="activations kept for backward",
+    )
     for variant, time in zip(tradeoff.variants, relative):
-        ax.annotate(variant.label, (variant.peak_bytes / 1e6, time), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(
+            variant.label, (variant.peak_bytes / 1e6, time), textcoords="offset points", xytext=(5, 4), fontsize=8
+        )
     ax.axhline(1.0, color="#7f7f7f", linewidth=0.8)
     ax.set_xlim(left=0)
     ax.set_xlabel("memory (MB)")
@@ -208,8 +242,9 @@ def tradeoff_curve(tradeoff, *, caption: str, title: str = "Compute against memo
     return figure
 
 
-def break_even_chart(costs: Mapping, *, caption: str,
-                     title: str = "Eager against compiled: total time as the calls add up") -> Figure:
+def break_even_chart(
+    costs: Mapping, *, caption: str, title: str = "Eager against compiled: total time as the calls add up"
+) -> Figure:
     """One panel per ``perflab.compiling.CompileCost``: total seconds after n calls, eager and compiled.
 
     The compiled line starts at the compile time and rises more slowly when compiling pays; a dotted
@@ -221,15 +256,31 @@ def break_even_chart(costs: Mapping, *, caption: str,
         # Past the break-even when there is one, else far enough for eager to spend the compile time three times.
         horizon = 2 * cost.break_even_calls if cost.pays_off else max(3 * cost.compile_seconds / eager, 10)
         ax.plot([0, horizon], [0, eager * horizon], color="#7f7f7f", label=f"eager: {format_seconds(eager)} per call")
-        ax.plot([0, horizon], [cost.compile_seconds, cost.compile_seconds + compiled * horizon], color="#1f77b4",
-                label=f"compiled: {format_seconds(cost.compile_seconds)}, then {format_seconds(compiled)} per call")
+        ax.plot(
+            [0, horizon],
+            [cost.compile_seconds, cost.compile_seconds + compiled * horizon],
+            color="#1f77b4",
+            label=f"compiled: {format_seconds(cost.compile_seconds)}, then {format_seconds(compiled)} per call",
+        )
         if cost.pays_off:
             ax.axvline(cost.break_even_calls, color="#2ca02c", linestyle=":")
-            ax.annotate(f"breaks even after {cost.break_even_calls:,} calls", (cost.break_even_calls, 0),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8, color="#2ca02c")
+            ax.annotate(
+                f"breaks even after {cost.break_even_calls:,} calls",
+                (cost.break_even_calls, 0),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+                color="#2ca02c",
+            )
         else:
-            ax.annotate("no measurable saving per call:\nnever breaks even", (0.97, 0.05), xycoords="axes fraction",
-                        ha="right", fontsize=8, color="#d62728")
+            ax.annotate(
+                "no measurable saving per call:\nnever breaks even",
+                (0.97, 0.05),
+                xycoords="axes fraction",
+                ha="right",
+                fontsize=8,
+                color="#d62728",
+            )
         ax.set_xlim(0, horizon)
         ax.set_ylim(bottom=0)
         ax.set_xlabel("calls (steps)")

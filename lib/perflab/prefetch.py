@@ -16,9 +16,10 @@ that the caching allocator does not give its memory to a new tensor while kernel
 On any other device there is no copy to hide: the batches pass through in the same order, moved
 with ``.to(device)`` and transformed.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -30,8 +31,12 @@ class CudaPrefetcher:
     stream, so that converting the next batch overlaps with computing the current one too.
     """
 
-    def __init__(self, batches: Iterable[Sequence[torch.Tensor]], device: str | torch.device,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        batches: Iterable[Sequence[torch.Tensor]],
+        device: str | torch.device,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         self.batches = batches
         self.device = torch.device(device)
         self.transform = transform

@@ -10,6 +10,7 @@
 ``perflab.train`` wraps every phase of a step (data_wait, h2d, fwd, bwd, opt, log) in a
 ``record_function`` region, so the trace carries them by name next to every operator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,17 +59,30 @@ class ProfiledRun:
         if not phases:
             return []
         origin = min(e.time_range.start for e in phases)
-        spans = [Span("host", e.name, (e.time_range.start - origin) / 1e6, e.time_range.elapsed_us() / 1e6) for e in phases]
-        spans += [Span("device", "kernel", (e.time_range.start - origin) / 1e6, e.time_range.elapsed_us() / 1e6)
-                  for e in kernels if e.time_range.start >= origin]
+        spans = [
+            Span("host", e.name, (e.time_range.start - origin) / 1e6, e.time_range.elapsed_us() / 1e6) for e in phases
+        ]
+        spans += [
+            Span("device", "kernel", (e.time_range.start - origin) / 1e6, e.time_range.elapsed_us() / 1e6)
+            for e in kernels
+            if e.time_range.start >= origin
+        ]
         return sorted(spans, key=lambda span: (span.row, span.start_s))
 
     def __repr__(self) -> str:
-        return f"ProfiledRun({len(self.result.steps)} steps of {self.result.name}, {len(self.profiler.events())} events)"
+        return (
+            f"ProfiledRun({len(self.result.steps)} steps of {self.result.name}, {len(self.profiler.events())} events)"
+        )
 
 
-def profile_training(config: TrainConfig, workload: Workload = Workload(), *, steps: int = 8,
-                     device: str | torch.device | None = None, profile_memory: bool = False) -> ProfiledRun:
+def profile_training(
+    config: TrainConfig,
+    workload: Workload = Workload(),
+    *,
+    steps: int = 8,
+    device: str | torch.device | None = None,
+    profile_memory: bool = False,
+) -> ProfiledRun:
     """Profile the first ``steps`` steps of ``train(config, workload)``, after a two-step warm-up run.
 
     ``profile_memory=True`` also records every allocation and free, so the table can sort by

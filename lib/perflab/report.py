@@ -8,11 +8,12 @@
 
 The first result is the baseline; each later one is a change on the way to the last.
 """
+
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from matplotlib.figure import Figure
 
@@ -46,9 +47,13 @@ class OptimizationReport:
 
     def rows(self) -> list[dict]:
         return [
-            {"configuration": result.name, "samples/s": result.samples_per_s,
-             "speedup vs baseline": result.samples_per_s / self.baseline.samples_per_s,
-             "val accuracy": result.val_accuracy, "biggest phase": max(result.phase_shares.items(), key=lambda kv: kv[1])}
+            {
+                "configuration": result.name,
+                "samples/s": result.samples_per_s,
+                "speedup vs baseline": result.samples_per_s / self.baseline.samples_per_s,
+                "val accuracy": result.val_accuracy,
+                "biggest phase": max(result.phase_shares.items(), key=lambda kv: kv[1]),
+            }
             for result in self.results
         ]
 
@@ -60,13 +65,17 @@ class OptimizationReport:
         lines = [f"{'configuration':<24}{'samples/s':>11}{'speedup':>9}{'accuracy':>10}  biggest phase"]
         for row in self.rows():
             phase, share = row["biggest phase"]
-            lines.append(f"{row['configuration']:<24}{row['samples/s']:>11,.0f}{row['speedup vs baseline']:>8.2f}x"
-                         f"{row['val accuracy']:>10.1%}  {phase} {share:.0%}")
+            lines.append(
+                f"{row['configuration']:<24}{row['samples/s']:>11,.0f}{row['speedup vs baseline']:>8.2f}x"
+                f"{row['val accuracy']:>10.1%}  {phase} {share:.0%}"
+            )
         return "\n".join(lines + self.environments())
 
     def _repr_html_(self) -> str:
-        header = "".join(f"<th>{name}</th>" for name in ("configuration", "samples/s", "speedup vs baseline",
-                                                          "val accuracy", "biggest phase"))
+        header = "".join(
+            f"<th>{name}</th>"
+            for name in ("configuration", "samples/s", "speedup vs baseline", "val accuracy", "biggest phase")
+        )
         body = "".join(
             f"<tr><td>{html.escape(row['configuration'])}</td><td>{row['samples/s']:,.0f}</td>"
             f"<td>{row['speedup vs baseline']:.2f}x</td><td>{row['val accuracy']:.1%}</td>"
@@ -80,5 +89,8 @@ class OptimizationReport:
         return speedup_waterfall(self.results)
 
     def timelines(self, seconds: float = 0.5) -> Figure:
-        return phase_timeline([self.baseline, self.final], seconds=seconds,
-                              title="Before and after: the first training steps, phase by phase")
+        return phase_timeline(
+            [self.baseline, self.final],
+            seconds=seconds,
+            title="Before and after: the first training steps, phase by phase",
+        )

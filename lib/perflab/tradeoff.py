@@ -19,12 +19,13 @@ anyway). Its time is taken over interleaved rounds, each running every variant o
 that reverses every round, so that a machine that slows down or speeds up in between affects all
 variants alike; ``relative_time`` is the median of the per-round ratios to the first variant.
 """
+
 from __future__ import annotations
 
 import html
 import statistics
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -73,22 +74,38 @@ class Tradeoff:
         return f"forward + backward on {self.device}, median of {len(self.variants[0].times)} interleaved rounds"
 
     def _rows(self) -> list[tuple[str, ...]]:
-        return [(v.label, f"{v.peak_bytes / 1e6:.2f} MB", f"{v.saved_bytes / 1e6:.2f} MB", format_seconds(v.median),
-                 f"{self.relative_time(v.label):.2f}x") for v in self.variants]
+        return [
+            (
+                v.label,
+                f"{v.peak_bytes / 1e6:.2f} MB",
+                f"{v.saved_bytes / 1e6:.2f} MB",
+                format_seconds(v.median),
+                f"{self.relative_time(v.label):.2f}x",
+            )
+            for v in self.variants
+        ]
 
     def __repr__(self) -> str:
-        return (f"Tradeoff({len(self.variants)} variants; {self.caption}; time relative to '{self.variants[0].label}')\n"
-                + text_table(_HEADER, self._rows()))
+        return (
+            f"Tradeoff({len(self.variants)} variants; {self.caption}; time relative to '{self.variants[0].label}')\n"
+            + text_table(_HEADER, self._rows())
+        )
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{name}</th>" for name in _HEADER)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
-                       for row in self._rows())
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
+        )
         return f"<table><caption>{html.escape(self.caption)}</caption><tr>{head}</tr>{body}</table>"
 
 
-def measure_tradeoff(variants: Mapping[str, Callable[[], torch.Tensor]], *, parameters: Iterable[torch.Tensor],
-                     rounds: int = 5, device: str | torch.device | None = None) -> Tradeoff:
+def measure_tradeoff(
+    variants: Mapping[str, Callable[[], torch.Tensor]],
+    *,
+    parameters: Iterable[torch.Tensor],
+    rounds: int = 5,
+    device: str | torch.device | None = None,
+) -> Tradeoff:
     """Measure each ``forward()`` (which returns a scalar loss) followed by ``loss.backward()``.
 
     ``parameters`` are the tensors whose gradients the backward pass fills: they are reset to None
@@ -122,7 +139,7 @@ def measure_tradeoff(variants: Mapping[str, Callable[[], torch.Tensor]], *, para
     times: dict[str, list[float]] = {label: [] for label in labels}
     for round_index in range(rounds):
         for label in labels if round_index % 2 == 0 else reversed(labels):
-            times[label].append(time_call(lambda: run(variants[label]), device))
+            times[label].append(time_call(lambda: run(variants[label]), device))  # noqa: B023 (called at once)
     for parameter in parameters:
         parameter.grad = None
     return Tradeoff(tuple(VariantCost(label, *memory[label], tuple(times[label])) for label in labels), str(device))

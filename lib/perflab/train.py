@@ -9,14 +9,16 @@
 What is trained (data, model, number of epochs, seed) is a :class:`Workload`; *how* it is
 trained is a :class:`TrainConfig`. Changing the config may change the speed, never the task.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +98,15 @@ class TrainConfig:
 
 # What the seeds call anti-patterns, together: no workers, per-sample PIL transforms, a small
 # batch, a sync and a log line every step, accuracy counted sample by sample in Python.
-NAIVE = TrainConfig(name="naive", pipeline="pil", batch_size=32, log_every=1, python_metrics=True,
-                    set_to_none=False, eval_inference_mode=False)
+NAIVE = TrainConfig(
+    name="naive",
+    pipeline="pil",
+    batch_size=32,
+    log_every=1,
+    python_metrics=True,
+    set_to_none=False,
+    eval_inference_mode=False,
+)
 # Decode once, augment whole batches as tensors, twice the batch, read the loss rarely. The
 # learning rate scales linearly with the batch; a batch of 128 would be faster still, but in
 # six epochs its 4x fewer steps cost accuracy.
@@ -147,12 +156,21 @@ class _Data:
 
     def __init__(self, config: TrainConfig, workload: Workload, progress: bool):
         if workload.cifar10_dir:
-            split = cifar10_image_folder(workload.cifar10_dir, train_per_class=workload.train_per_class,
-                                         val_per_class=workload.val_per_class, progress=progress)
+            split = cifar10_image_folder(
+                workload.cifar10_dir,
+                train_per_class=workload.train_per_class,
+                val_per_class=workload.val_per_class,
+                progress=progress,
+            )
         else:
-            split = make_image_folder(num_classes=workload.num_classes, train_per_class=workload.train_per_class,
-                                      val_per_class=workload.val_per_class, image_size=workload.image_size,
-                                      seed=workload.seed, progress=progress)
+            split = make_image_folder(
+                num_classes=workload.num_classes,
+                train_per_class=workload.train_per_class,
+                val_per_class=workload.val_per_class,
+                image_size=workload.image_size,
+                seed=workload.seed,
+                progress=progress,
+            )
         self.train = split.train
         self.val = CachedImages(split.val, progress=progress)
         self.cache = CachedImages(split.train, progress=progress) if config.pipeline != "pil" else None
@@ -160,16 +178,25 @@ class _Data:
             generator = torch.Generator().manual_seed(workload.seed)
             first = self.cache.images[: 4 * config.batch_size]
             self.memory_batches = [
-                (random_crop_flip(first[i:i + config.batch_size], generator), self.cache.labels[i:i + config.batch_size])
+                (
+                    random_crop_flip(first[i : i + config.batch_size], generator),
+                    self.cache.labels[i : i + config.batch_size],
+                )
                 for i in range(0, len(first), config.batch_size)
             ]
 
     def epoch(self, config: TrainConfig, workload: Workload, epoch: int):
         seed = workload.seed * 1000 + epoch
         if config.pipeline == "pil":
-            return pil_loader(self.train, batch_size=config.batch_size, seed=seed, num_workers=config.num_workers,
-                              pin_memory=config.pin_memory, persistent_workers=config.persistent_workers,
-                              prefetch_factor=config.prefetch_factor)
+            return pil_loader(
+                self.train,
+                batch_size=config.batch_size,
+                seed=seed,
+                num_workers=config.num_workers,
+                pin_memory=config.pin_memory,
+                persistent_workers=config.persistent_workers,
+                prefetch_factor=config.prefetch_factor,
+            )
         if config.pipeline == "cached":
             return cached_batches(self.cache, batch_size=config.batch_size, seed=seed, pin_memory=config.pin_memory)
         steps = math.ceil(len(self.cache) / config.batch_size)  # as many steps as a real epoch
@@ -184,8 +211,14 @@ def build_model(config: TrainConfig, workload: Workload, device: torch.device) -
     return model
 
 
-def train(config: TrainConfig = NAIVE, workload: Workload = Workload(), *, device: str | torch.device | None = None,
-          progress: bool = True, max_steps: int | None = None) -> TrainResult:
+def train(
+    config: TrainConfig = NAIVE,
+    workload: Workload = Workload(),
+    *,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    max_steps: int | None = None,
+) -> TrainResult:
     """Train ``workload`` the way ``config`` says; returns speed, phase times and accuracy.
 
     ``max_steps`` stops early, for a quick measurement of speed (explorers, profiles): the
@@ -197,22 +230,30 @@ def train(config: TrainConfig = NAIVE, workload: Workload = Workload(), *, devic
     data = _Data(config, workload, progress)
     model = build_model(config, workload, device)
     step_model = torch.compile(model, mode=config.compile_mode) if config.compile_mode else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.effective_lr, momentum=0.9, nesterov=True, weight_decay=5e-4
+    )
     steps_per_epoch = math.ceil(workload.train_samples / config.batch_size)
     # One-cycle (Smith & Topor, 2017): warm up, then anneal. Without the warmup a large batch's
     # scaled-up rate diverges in the first steps.
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.effective_lr, total_steps=max(1, workload.epochs * steps_per_epoch // config.accumulation_steps))
+        optimizer,
+        max_lr=config.effective_lr,
+        total_steps=max(1, workload.epochs * steps_per_epoch // config.accumulation_steps),
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
-    autocast = torch.autocast(device.type, dtype=getattr(torch, config.amp_dtype or "float32"),
-                              enabled=config.amp_dtype is not None)
+    autocast = torch.autocast(
+        device.type, dtype=getattr(torch, config.amp_dtype or "float32"), enabled=config.amp_dtype is not None
+    )
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
     setup_s = time.perf_counter() - setup_start
 
     timer = PhaseTimer(device)
     losses, correct, samples, step = [], torch.zeros((), device=device, dtype=torch.long), 0, 0
     python_correct = 0
-    total_steps = workload.epochs * steps_per_epoch if max_steps is None else min(max_steps, workload.epochs * steps_per_epoch)
+    total_steps = (
+        workload.epochs * steps_per_epoch if max_steps is None else min(max_steps, workload.epochs * steps_per_epoch)
+    )
     bar = tqdm(total=total_steps, desc=f"training {config.name}", unit="step", disable=not progress)
     model.train()
     synchronize(device)
@@ -267,21 +308,31 @@ def train(config: TrainConfig = NAIVE, workload: Workload = Workload(), *, devic
     eval_s = time.perf_counter() - eval_start
     train_correct = python_correct if config.python_metrics else int(correct)
     return TrainResult(
-        config=asdict(config), model_parameters=count_parameters(model), samples=samples, train_s=train_s, setup_s=setup_s, eval_s=eval_s,
-        steps=timer.resolve(), losses=torch.stack(losses).tolist(), train_accuracy=train_correct / samples,
-        val_accuracy=accuracy, environment=environment(device),
+        config=asdict(config),
+        model_parameters=count_parameters(model),
+        samples=samples,
+        train_s=train_s,
+        setup_s=setup_s,
+        eval_s=eval_s,
+        steps=timer.resolve(),
+        losses=torch.stack(losses).tolist(),
+        train_accuracy=train_correct / samples,
+        val_accuracy=accuracy,
+        environment=environment(device),
     )
 
 
-def evaluate(model, val: CachedImages, device, memory_format, autocast, inference_mode: bool, batch_size: int = 500) -> float:
+def evaluate(
+    model, val: CachedImages, device, memory_format, autocast, inference_mode: bool, batch_size: int = 500
+) -> float:
     """Top-1 accuracy on the center-cropped validation images."""
     model.eval()
     correct = 0
     context = torch.inference_mode() if inference_mode else contextlib.nullcontext()
     with context, autocast:
         for start in range(0, len(val), batch_size):
-            images = to_model_input(center_crop(val.images[start:start + batch_size]).to(device))
+            images = to_model_input(center_crop(val.images[start : start + batch_size]).to(device))
             logits = model(images.contiguous(memory_format=memory_format))
-            correct += int((logits.argmax(dim=1) == val.labels[start:start + batch_size].to(device)).sum())
+            correct += int((logits.argmax(dim=1) == val.labels[start : start + batch_size].to(device)).sum())
     model.train()
     return correct / len(val)

@@ -1,10 +1,11 @@
 """What a training run measured: speed, where the time went, and what it learned.
 
-    >>> result = perflab.train.train(perflab.train.NAIVE)
-    >>> result.samples_per_s, result.val_accuracy
-    >>> result.phase_shares        # {'data_wait': 0.6, 'h2d': 0.01, 'fwd': 0.12, ...}
-    >>> result                     # prints a one-line summary; a table in a notebook
+>>> result = perflab.train.train(perflab.train.NAIVE)
+>>> result.samples_per_s, result.val_accuracy
+>>> result.phase_shares        # {'data_wait': 0.6, 'h2d': 0.01, 'fwd': 0.12, ...}
+>>> result                     # prints a one-line summary; a table in a notebook
 """
+
 from __future__ import annotations
 
 import datetime
@@ -26,8 +27,16 @@ PHASES = ("data_wait", "h2d", "fwd", "bwd", "opt", "log")
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -35,8 +44,13 @@ def _git_commit() -> str:
 def environment(device: torch.device) -> dict:
     """Where a measurement was taken: enough to tell two machines' results apart."""
     return {
-        "device": str(device), "device_name": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "python": platform.python_version(), "date": datetime.date.today().isoformat(), "commit": _git_commit(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "commit": _git_commit(),
     }
 
 
@@ -84,12 +98,19 @@ class TrainResult:
 
     def _repr_html_(self) -> str:
         rows = [
-            ("configuration", self.name), ("samples/s", f"{self.samples_per_s:,.0f}"),
-            ("validation accuracy", f"{self.val_accuracy:.1%}"), ("training accuracy", f"{self.train_accuracy:.1%}"),
-            ("samples seen", self.samples), ("training time", f"{self.train_s:.2f} s"),
-            ("setup (data, caches, model)", f"{self.setup_s:.2f} s"), ("time per phase", self._shares_text()),
-            ("measured on", f"{self.environment['device_name']} ({self.environment['device']}), torch "
-                            f"{self.environment['torch']}, {self.environment['threads']} threads"),
+            ("configuration", self.name),
+            ("samples/s", f"{self.samples_per_s:,.0f}"),
+            ("validation accuracy", f"{self.val_accuracy:.1%}"),
+            ("training accuracy", f"{self.train_accuracy:.1%}"),
+            ("samples seen", self.samples),
+            ("training time", f"{self.train_s:.2f} s"),
+            ("setup (data, caches, model)", f"{self.setup_s:.2f} s"),
+            ("time per phase", self._shares_text()),
+            (
+                "measured on",
+                f"{self.environment['device_name']} ({self.environment['device']}), torch "
+                f"{self.environment['torch']}, {self.environment['threads']} threads",
+            ),
         ]
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
         return f"<table>{body}</table>"
@@ -98,5 +119,5 @@ class TrainResult:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainResult":
+    def from_json(cls, text: str) -> TrainResult:
         return cls(**json.loads(text))

@@ -8,10 +8,11 @@
 Each is an ``ipywidgets`` box whose plain-text form is its current result: where widgets cannot
 render (a terminal, nbval, a notebook viewer) the cell still shows what the explorer computed.
 """
+
 from __future__ import annotations
 
 import html
-from typing import Callable
+from collections.abc import Callable
 
 import ipywidgets as widgets
 import psutil
@@ -28,8 +29,12 @@ WARMUP_STEPS = 2  # the first steps of a run start workers and fill caches: not 
 class Explorer(widgets.VBox):
     """Controls above a result; every change of a control recomputes the result."""
 
-    def __init__(self, controls: dict[str, widgets.Widget], describe: Callable[..., tuple[str, str]],
-                 extra: list[widgets.Widget] = ()):
+    def __init__(
+        self,
+        controls: dict[str, widgets.Widget],
+        describe: Callable[..., tuple[str, str]],
+        extra: list[widgets.Widget] = (),
+    ):
         self.controls = controls
         self._describe = describe
         self.result = widgets.HTML()
@@ -48,11 +53,25 @@ class Explorer(widgets.VBox):
         return bundle
 
 
-def measure_data_loading(*, pipeline: str, batch_size: int, num_workers: int, pin_memory: bool,
-                         workload: Workload = Workload(), steps: int = 10) -> tuple[float, float]:
+def measure_data_loading(
+    *,
+    pipeline: str,
+    batch_size: int,
+    num_workers: int,
+    pin_memory: bool,
+    workload: Workload = Workload(),
+    steps: int = 10,
+) -> tuple[float, float]:
     """Samples/s and the share of time spent waiting for data, over ``steps`` steps after a warm-up."""
-    config = TrainConfig(name="explorer", pipeline=pipeline, batch_size=batch_size, num_workers=num_workers,
-                         pin_memory=pin_memory, persistent_workers=num_workers > 0, log_every=1000)
+    config = TrainConfig(
+        name="explorer",
+        pipeline=pipeline,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        log_every=1000,
+    )
     result = train(config, workload, progress=False, max_steps=WARMUP_STEPS + steps)
     steady = result.steps[WARMUP_STEPS:]
     seconds = sum(sum(step.values()) for step in steady)
@@ -64,23 +83,39 @@ def data_loading_explorer(workload: Workload = Workload(), steps: int = 10) -> E
     history: list[str] = []
 
     def describe(pipeline, batch_size, num_workers, pin_memory):
-        rate, waiting = measure_data_loading(pipeline=pipeline, batch_size=batch_size, num_workers=num_workers,
-                                             pin_memory=pin_memory, workload=workload, steps=steps)
-        line = (f"{pipeline}, batch {batch_size}, {num_workers} workers, pin_memory {pin_memory}: "
-                f"{rate:,.0f} samples/s, waiting for data {waiting:.0%} of the time")
+        rate, waiting = measure_data_loading(
+            pipeline=pipeline,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            workload=workload,
+            steps=steps,
+        )
+        line = (
+            f"{pipeline}, batch {batch_size}, {num_workers} workers, pin_memory {pin_memory}: "
+            f"{rate:,.0f} samples/s, waiting for data {waiting:.0%} of the time"
+        )
         history.insert(0, line)
         rows = "".join(f"<tr><td>{html.escape(entry)}</td></tr>" for entry in history[:8])
-        return line, (f"<p><b>{html.escape(line)}</b></p><p><small>measured over {steps} steps after {WARMUP_STEPS} "
-                      f"warm-up steps; latest first:</small></p><table>{rows}</table>")
+        return line, (
+            f"<p><b>{html.escape(line)}</b></p><p><small>measured over {steps} steps after {WARMUP_STEPS} "
+            f"warm-up steps; latest first:</small></p><table>{rows}</table>"
+        )
 
     style = {"description_width": "110px"}
     controls = {
-        "pipeline": widgets.ToggleButtons(options=[("per-sample PIL", "pil"), ("decoded once", "cached")],
-                                          value="pil", description="pipeline", style=style),
-        "batch_size": widgets.SelectionSlider(options=[16, 32, 64, 128, 256], value=32, description="batch size",
-                                              continuous_update=False, style=style),
-        "num_workers": widgets.IntSlider(value=0, min=0, max=4, description="num_workers",
-                                         continuous_update=False, style=style),
+        "pipeline": widgets.ToggleButtons(
+            options=[("per-sample PIL", "pil"), ("decoded once", "cached")],
+            value="pil",
+            description="pipeline",
+            style=style,
+        ),
+        "batch_size": widgets.SelectionSlider(
+            options=[16, 32, 64, 128, 256], value=32, description="batch size", continuous_update=False, style=style
+        ),
+        "num_workers": widgets.IntSlider(
+            value=0, min=0, max=4, description="num_workers", continuous_update=False, style=style
+        ),
         "pin_memory": widgets.Checkbox(value=False, description="pin_memory", style=style),
     }
     return Explorer(controls, describe)
@@ -107,22 +142,42 @@ def training_memory_explorer(device: str | torch.device = "cpu", max_share_of_ra
     button = widgets.Button(description="measure this one", tooltip="run one training step on this machine")
     style = {"description_width": "110px"}
     controls = {
-        "n_layer": widgets.IntSlider(value=2, min=1, max=12, description="layers", continuous_update=False, style=style),
-        "n_embd": widgets.SelectionSlider(options=[64, 128, 256, 384, 512, 768], value=128, description="width",
-                                          continuous_update=False, style=style),
-        "batch_size": widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=8, description="batch size",
-                                              continuous_update=False, style=style),
-        "seq_len": widgets.SelectionSlider(options=[64, 128, 256, 512, 1024, 2048], value=256,
-                                           description="sequence length", continuous_update=False, style=style),
-        "attention": widgets.Dropdown(options=["naive", "sdpa", "tiled"], value="naive", description="attention", style=style),
-        "precision": widgets.Dropdown(options=["float32", "bfloat16"], value="float32", description="precision", style=style),
-        "optimizer": widgets.Dropdown(options=["adamw", "sgd_momentum", "sgd"], value="adamw", description="optimizer", style=style),
+        "n_layer": widgets.IntSlider(
+            value=2, min=1, max=12, description="layers", continuous_update=False, style=style
+        ),
+        "n_embd": widgets.SelectionSlider(
+            options=[64, 128, 256, 384, 512, 768], value=128, description="width", continuous_update=False, style=style
+        ),
+        "batch_size": widgets.SelectionSlider(
+            options=[1, 2, 4, 8, 16, 32, 64], value=8, description="batch size", continuous_update=False, style=style
+        ),
+        "seq_len": widgets.SelectionSlider(
+            options=[64, 128, 256, 512, 1024, 2048],
+            value=256,
+            description="sequence length",
+            continuous_update=False,
+            style=style,
+        ),
+        "attention": widgets.Dropdown(
+            options=["naive", "sdpa", "tiled"], value="naive", description="attention", style=style
+        ),
+        "precision": widgets.Dropdown(
+            options=["float32", "bfloat16"], value="float32", description="precision", style=style
+        ),
+        "optimizer": widgets.Dropdown(
+            options=["adamw", "sgd_momentum", "sgd"], value="adamw", description="optimizer", style=style
+        ),
         "checkpointing": widgets.Checkbox(value=False, description="activation checkpointing", style=style),
     }
 
     def settings(values):
-        model = GPTConfig(n_layer=values["n_layer"], n_embd=values["n_embd"], n_head=max(1, values["n_embd"] // 64),
-                          block_size=values["seq_len"], attention=values["attention"])
+        model = GPTConfig(
+            n_layer=values["n_layer"],
+            n_embd=values["n_embd"],
+            n_head=max(1, values["n_embd"] // 64),
+            block_size=values["seq_len"],
+            attention=values["attention"],
+        )
         options = {key: values[key] for key in ("batch_size", "seq_len", "precision", "optimizer", "checkpointing")}
         return model, options
 
@@ -137,8 +192,10 @@ def training_memory_explorer(device: str | torch.device = "cpu", max_share_of_ra
         estimate = estimate_training_memory(model, **options)
         allowed = max_share_of_ram * psutil.virtual_memory().available
         if estimate.total > allowed:
-            measured.value = (f"<p>Not measured: the estimate, {estimate.total / 1e6:,.0f} MB, is more than "
-                              f"{max_share_of_ram:.0%} of this machine's free memory ({allowed / 1e6:,.0f} MB).</p>")
+            measured.value = (
+                f"<p>Not measured: the estimate, {estimate.total / 1e6:,.0f} MB, is more than "
+                f"{max_share_of_ram:.0%} of this machine's free memory ({allowed / 1e6:,.0f} MB).</p>"
+            )
             return
         measured.value = "<p>measuring one training step...</p>"
         measured.value = estimate.compare(measure_training_memory(model, **options, device=device))._repr_html_()

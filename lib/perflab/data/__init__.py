@@ -8,11 +8,22 @@
 ``formats``: the same images as JPEG, PNG and a raw uint8 array, to compare storage formats.
 ``text``: a text corpus, a character tokenizer, and GPT batches.
 """
+
 from perflab.data.formats import StoredImages, export_formats
 from perflab.data.images import ImageFolderSplit, cifar10_image_folder, data_root, decode_all, make_image_folder
 from perflab.data.text import CharCorpus, CharTokenizer, char_corpus, get_batch, make_text
 
 __all__ = [
-    "CharCorpus", "CharTokenizer", "ImageFolderSplit", "char_corpus", "cifar10_image_folder", "data_root",
-    "StoredImages", "decode_all", "export_formats", "get_batch", "make_image_folder", "make_text",
+    "CharCorpus",
+    "CharTokenizer",
+    "ImageFolderSplit",
+    "char_corpus",
+    "cifar10_image_folder",
+    "data_root",
+    "StoredImages",
+    "decode_all",
+    "export_formats",
+    "get_batch",
+    "make_image_folder",
+    "make_text",
 ]

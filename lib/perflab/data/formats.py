@@ -11,6 +11,7 @@ The raw array needs no decoding, only its bytes: ``np.load(path, mmap_mode="r")`
 file, and image ``i`` is the slice ``array[i]``. Which one wins depends on what is scarcer:
 CPU time to decode (JPEG loses) or bytes to read from disk or network (raw arrays lose).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,11 @@ class StoredImages:
 
     @property
     def bytes_on_disk(self) -> dict[str, int]:
-        return {"JPEG": sum(p.stat().st_size for p in self.jpeg), "PNG": sum(p.stat().st_size for p in self.png),
-                "raw .npy": self.array.stat().st_size}
+        return {
+            "JPEG": sum(p.stat().st_size for p in self.jpeg),
+            "PNG": sum(p.stat().st_size for p in self.png),
+            "raw .npy": self.array.stat().st_size,
+        }
 
 
 def export_formats(split_dir: str | os.PathLike, *, count: int = 256) -> StoredImages:

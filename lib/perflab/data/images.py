@@ -19,6 +19,7 @@ costs in real projects, which is what the course's data-loading lessons measure 
 ``cifar10_image_folder`` turns a CIFAR-10 you already have on disk into the same layout.
 Nothing here ever downloads. The cache lives in ``$PERFLAB_DATA``, else ``~/.cache/perflab/data``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +32,9 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -54,8 +55,20 @@ _TRIANGLE = [(math.sin(k * 2 * math.pi / 3), -math.cos(k * 2 * math.pi / 3)) for
 _SQUARE = [(-0.72, -0.72), (0.72, -0.72), (0.72, 0.72), (-0.72, 0.72)]
 _STAR = [(r * math.sin(k * math.pi / 5), -r * math.cos(k * math.pi / 5)) for k, r in enumerate([1, 0.42] * 5)]
 _ARM = 0.3  # half-width of the cross's arms
-_CROSS = [(_ARM, -1), (_ARM, -_ARM), (1, -_ARM), (1, _ARM), (_ARM, _ARM), (_ARM, 1),
-          (-_ARM, 1), (-_ARM, _ARM), (-1, _ARM), (-1, -_ARM), (-_ARM, -_ARM), (-_ARM, -1)]
+_CROSS = [
+    (_ARM, -1),
+    (_ARM, -_ARM),
+    (1, -_ARM),
+    (1, _ARM),
+    (_ARM, _ARM),
+    (_ARM, 1),
+    (-_ARM, 1),
+    (-_ARM, _ARM),
+    (-1, _ARM),
+    (-1, -_ARM),
+    (-_ARM, -_ARM),
+    (-_ARM, -1),
+]
 _PERIOD = 0.5  # of the textures, in units of the radius: 3+ pixels per period even at 32x32
 _PAPER, _INK = (140, 256), (0, 110)  # ranges of the background's and the shape's colour channels
 _EQUAL_INK = 1.4  # area painted by every shape of radius 1: that of the stripes, mid-way between dots and a square
@@ -70,6 +83,7 @@ def _polygon(points: list[tuple[float, float]]) -> Callable:
         cos, sin = math.cos(angle), math.sin(angle)
         placed = [(x + radius * (u * cos - v * sin), y + radius * (u * sin + v * cos)) for u, v in points]
         ImageDraw.Draw(mask).polygon(placed, fill=255)
+
     return draw_mask
 
 
@@ -87,6 +101,7 @@ def _crescent(mask: Image.Image, x: float, y: float, radius: float, angle: float
 
 def _texture(pattern: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable:
     """A round patch of ``pattern(u, v)``: True where to paint, at rotated coordinates counted in periods."""
+
     def draw_mask(mask: Image.Image, x: float, y: float, radius: float, angle: float) -> None:
         grid = (np.arange(mask.size[0], dtype=np.float32) + 0.5) / radius
         dx, dy = grid - x / radius, (grid - y / radius)[:, None]
@@ -96,6 +111,7 @@ def _texture(pattern: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callabl
         # Shifted positive so int truncation is floor: np.floor and np.mod are slow on CPUs without SIMD.
         painted = inside & pattern(u / _PERIOD + 64, v / _PERIOD + 64)
         mask.paste(Image.fromarray(painted.astype(np.uint8) * 255))
+
     return draw_mask
 
 
@@ -141,8 +157,8 @@ def _ink_area(name: str) -> float:
 def render_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
     """One ``size`` x ``size`` RGB image of the shape class ``name``, every choice drawn from ``rng``.
 
-        >>> render_shape("star", 64, np.random.default_rng(0))
-        <PIL.Image.Image image mode=RGB size=64x64 at 0x7F5430C39350>
+    >>> render_shape("star", 64, np.random.default_rng(0))
+    <PIL.Image.Image image mode=RGB size=64x64 at 0x7F5430C39350>
     """
     n = size * SUPERSAMPLE
     # Dark ink on light paper, in random colours: with the polarity random too, the course's
@@ -195,8 +211,14 @@ class ImageFolderSplit:
 
     @classmethod
     def _from_manifest(cls, root: Path, manifest: dict) -> ImageFolderSplit:
-        return cls(root, manifest["name"], tuple(manifest["classes"]), manifest["counts"]["train"],
-                   manifest["counts"]["val"], manifest["image_size"])
+        return cls(
+            root,
+            manifest["name"],
+            tuple(manifest["classes"]),
+            manifest["counts"]["train"],
+            manifest["counts"]["val"],
+            manifest["image_size"],
+        )
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:
@@ -236,8 +258,9 @@ def _build_once(folder: Path, params: dict, build: Callable[[Path], dict]) -> di
     return manifest
 
 
-def _write_jpegs(folder: Path, samples: Iterable[tuple[str, str, int, Image.Image]], total: int | None, desc: str,
-                 progress: bool) -> dict[str, int]:
+def _write_jpegs(
+    folder: Path, samples: Iterable[tuple[str, str, int, Image.Image]], total: int | None, desc: str, progress: bool
+) -> dict[str, int]:
     """Saves each ``(split, class_name, index, image)`` as ``folder/split/class_name/index.jpg``; counts per split."""
     counts = Counter()
     for split, class_name, index, image in tqdm(samples, total=total, desc=desc, unit="img", disable=not progress):
@@ -248,9 +271,16 @@ def _write_jpegs(folder: Path, samples: Iterable[tuple[str, str, int, Image.Imag
     return {"train": counts["train"], "val": counts["val"]}
 
 
-def make_image_folder(root: str | os.PathLike | None = None, *, num_classes: int = 10, train_per_class: int = 500,
-                      val_per_class: int = 100, image_size: int = 64, seed: int = 0,
-                      progress: bool = True) -> ImageFolderSplit:
+def make_image_folder(
+    root: str | os.PathLike | None = None,
+    *,
+    num_classes: int = 10,
+    train_per_class: int = 500,
+    val_per_class: int = 100,
+    image_size: int = 64,
+    seed: int = 0,
+    progress: bool = True,
+) -> ImageFolderSplit:
     """The shapes dataset in ``data_root(root)/<a name made of the parameters>``, generated unless already there.
 
         >>> data = make_image_folder(num_classes=3, train_per_class=50, val_per_class=10, image_size=32)
@@ -264,12 +294,21 @@ def make_image_folder(root: str | os.PathLike | None = None, *, num_classes: int
     """
     if not (isinstance(num_classes, int) and 1 <= num_classes <= len(SHAPES)):
         raise ValueError(f"num_classes must be an int from 1 to {len(SHAPES)}, got {num_classes!r}")
-    for what, value, smallest in (("train_per_class", train_per_class, 1), ("val_per_class", val_per_class, 1),
-                                  ("image_size", image_size, 16), ("seed", seed, 0)):
+    for what, value, smallest in (
+        ("train_per_class", train_per_class, 1),
+        ("val_per_class", val_per_class, 1),
+        ("image_size", image_size, 16),
+        ("seed", seed, 0),
+    ):
         if not (isinstance(value, int) and value >= smallest):
             raise ValueError(f"{what} must be an int of at least {smallest}, got {value!r}")
-    params = {"num_classes": num_classes, "train_per_class": train_per_class, "val_per_class": val_per_class,
-              "image_size": image_size, "seed": seed}
+    params = {
+        "num_classes": num_classes,
+        "train_per_class": train_per_class,
+        "val_per_class": val_per_class,
+        "image_size": image_size,
+        "seed": seed,
+    }
     name = f"shapes{num_classes}-{image_size}px-{train_per_class}train-{val_per_class}val-seed{seed}"
     classes = list(SHAPES)[:num_classes]
     counts = {"train": train_per_class, "val": val_per_class}
@@ -311,9 +350,14 @@ def _unpickle(path: Path) -> dict:
         return pickle.load(file, encoding="latin1")  # written by Python 2: latin1 keeps the uint8 arrays intact
 
 
-def cifar10_image_folder(cifar_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
-                         train_per_class: int | None = None, val_per_class: int | None = None,
-                         progress: bool = True) -> ImageFolderSplit:
+def cifar10_image_folder(
+    cifar_dir: str | os.PathLike,
+    root: str | os.PathLike | None = None,
+    *,
+    train_per_class: int | None = None,
+    val_per_class: int | None = None,
+    progress: bool = True,
+) -> ImageFolderSplit:
     """CIFAR-10 already on disk (the python pickles) as JPEGs in the same layout as ``make_image_folder``.
 
         >>> data = cifar10_image_folder("~/datasets/cifar-10-batches-py", train_per_class=1000)
@@ -352,8 +396,12 @@ def cifar10_image_folder(cifar_dir: str | os.PathLike, root: str | os.PathLike |
     return ImageFolderSplit._from_manifest(folder, _build_once(folder, params, build))
 
 
-def decode_all(split_dir: str | os.PathLike, *, transform: Callable[[Image.Image], Image.Image] | None = None,
-               progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_all(
+    split_dir: str | os.PathLike,
+    *,
+    transform: Callable[[Image.Image], Image.Image] | None = None,
+    progress: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every image of an ``ImageFolder`` split decoded once: ``(uint8 [N, 3, H, W], int64 [N])``.
 
     ``transform`` (PIL image -> PIL image, a ``transforms.Resize(36)`` say) is applied to each
@@ -368,15 +416,18 @@ def decode_all(split_dir: str | os.PathLike, *, transform: Callable[[Image.Image
     """
     samples = ImageFolder(split_dir).samples
     images = None
-    for k, (path, _) in enumerate(tqdm(samples, desc=f"decoding {Path(split_dir).name}", unit="img",
-                                       disable=not progress)):
+    for k, (path, _) in enumerate(
+        tqdm(samples, desc=f"decoding {Path(split_dir).name}", unit="img", disable=not progress)
+    ):
         with Image.open(path) as image:
             image = image.convert("RGB")
             pixels = torch.from_numpy(np.array(transform(image) if transform else image)).permute(2, 0, 1)
         if images is None:
             images = torch.empty((len(samples), *pixels.shape), dtype=torch.uint8)
         if pixels.shape != images.shape[1:]:
-            raise ValueError(f"{path} is {tuple(pixels.shape)}, the first image {tuple(images.shape[1:])}: "
-                             f"decode_all needs images of one size")
+            raise ValueError(
+                f"{path} is {tuple(pixels.shape)}, the first image {tuple(images.shape[1:])}: "
+                f"decode_all needs images of one size"
+            )
         images[k] = pixels
     return images, torch.tensor([label for _, label in samples], dtype=torch.int64)

@@ -13,6 +13,7 @@ a bigram model cannot: spelling, "a" vs "an", subject-verb agreement ("the cat s
 cats sleep", "Alice and Bob sleep"), questions with "does"/"do"/"did" and the bare verb,
 quoted speech, capitals after a full stop, and one tense held through each paragraph.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,18 +22,63 @@ from dataclasses import dataclass
 import torch
 
 # (singular, plural) nouns; verbs as (base, third person singular, past).
-_NOUNS = [("cat", "cats"), ("dog", "dogs"), ("fox", "foxes"), ("bird", "birds"), ("child", "children"),
-          ("mouse", "mice"), ("wolf", "wolves"), ("farmer", "farmers"), ("robot", "robots"), ("owl", "owls"),
-          ("teacher", "teachers"), ("sailor", "sailors"), ("baker", "bakers"), ("elephant", "elephants")]
+_NOUNS = [
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("fox", "foxes"),
+    ("bird", "birds"),
+    ("child", "children"),
+    ("mouse", "mice"),
+    ("wolf", "wolves"),
+    ("farmer", "farmers"),
+    ("robot", "robots"),
+    ("owl", "owls"),
+    ("teacher", "teachers"),
+    ("sailor", "sailors"),
+    ("baker", "bakers"),
+    ("elephant", "elephants"),
+]
 _NAMES = ["Alice", "Bob", "Clara", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Oscar"]
-_ADJECTIVES = ["small", "old", "quick", "quiet", "brave", "tired", "happy", "clever", "red", "grey", "angry",
-               "young", "orange", "empty", "hungry", "ugly", "elegant"]
-_TRANSITIVE = [("see", "sees", "saw"), ("chase", "chases", "chased"), ("follow", "follows", "followed"),
-               ("find", "finds", "found"), ("watch", "watches", "watched"), ("help", "helps", "helped"),
-               ("call", "calls", "called"), ("carry", "carries", "carried"), ("feed", "feeds", "fed")]
-_INTRANSITIVE = [("sleep", "sleeps", "slept"), ("run", "runs", "ran"), ("sing", "sings", "sang"),
-                 ("wait", "waits", "waited"), ("laugh", "laughs", "laughed"), ("rest", "rests", "rested"),
-                 ("hide", "hides", "hid"), ("dance", "dances", "danced")]
+_ADJECTIVES = [
+    "small",
+    "old",
+    "quick",
+    "quiet",
+    "brave",
+    "tired",
+    "happy",
+    "clever",
+    "red",
+    "grey",
+    "angry",
+    "young",
+    "orange",
+    "empty",
+    "hungry",
+    "ugly",
+    "elegant",
+]
+_TRANSITIVE = [
+    ("see", "sees", "saw"),
+    ("chase", "chases", "chased"),
+    ("follow", "follows", "followed"),
+    ("find", "finds", "found"),
+    ("watch", "watches", "watched"),
+    ("help", "helps", "helped"),
+    ("call", "calls", "called"),
+    ("carry", "carries", "carried"),
+    ("feed", "feeds", "fed"),
+]
+_INTRANSITIVE = [
+    ("sleep", "sleeps", "slept"),
+    ("run", "runs", "ran"),
+    ("sing", "sings", "sang"),
+    ("wait", "waits", "waited"),
+    ("laugh", "laughs", "laughed"),
+    ("rest", "rests", "rested"),
+    ("hide", "hides", "hid"),
+    ("dance", "dances", "danced"),
+]
 _PLACES = ["garden", "river", "market", "forest", "old bridge", "village", "hill", "kitchen", "harbour", "orchard"]
 _PREPOSITIONS = ["in", "near", "under", "behind", "across", "beside"]
 _ADVERBS = ["slowly", "quietly", "happily", "again", "every morning", "at night", "all day"]
@@ -129,8 +175,8 @@ class _Grammar:
 def make_text(num_chars: int = 1_000_000, *, seed: int = 0) -> str:
     """About ``num_chars`` characters (whole paragraphs, a blank line between them), the same for the same seed.
 
-        >>> print(make_text(200, seed=1))
-        A happy teacher saw the owl behind the old bridge, but some small mice hid. A farmer found the quiet cat ...
+    >>> print(make_text(200, seed=1))
+    A happy teacher saw the owl behind the old bridge, but some small mice hid. A farmer found the quiet cat ...
     """
     if not (isinstance(num_chars, int) and num_chars > 0):
         raise ValueError(f"num_chars must be a positive int, got {num_chars!r}")
@@ -144,11 +190,11 @@ def make_text(num_chars: int = 1_000_000, *, seed: int = 0) -> str:
 class CharTokenizer:
     """Characters <-> integer ids; the vocabulary is the sorted set of characters of ``text``.
 
-        >>> tokenizer = CharTokenizer("hello world")
-        >>> tokenizer.encode("hello")
-        tensor([3, 2, 4, 4, 5])
-        >>> tokenizer.decode(tokenizer.encode("hello"))
-        'hello'
+    >>> tokenizer = CharTokenizer("hello world")
+    >>> tokenizer.encode("hello")
+    tensor([3, 2, 4, 4, 5])
+    >>> tokenizer.decode(tokenizer.encode("hello"))
+    'hello'
     """
 
     def __init__(self, text: str):
@@ -190,7 +236,7 @@ class CharCorpus:
 def char_corpus(text: str | None = None, *, val_fraction: float = 0.1) -> CharCorpus:
     """``text`` (default: ``make_text()``) tokenized by character, its last ``val_fraction`` held out.
 
-        >>> corpus = char_corpus(open("my_book.txt").read())
+    >>> corpus = char_corpus(open("my_book.txt").read())
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
@@ -201,13 +247,14 @@ def char_corpus(text: str | None = None, *, val_fraction: float = 0.1) -> CharCo
     return CharCorpus(tokenizer, tokens[:cut], tokens[cut:])
 
 
-def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int,
-              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``block_size`` tokens, and the same windows shifted by one: the targets.
 
-        >>> x, y = get_batch(corpus.train, 4, 8, generator=torch.Generator().manual_seed(0))
-        >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
-        (torch.Size([4, 8]), True)
+    >>> x, y = get_batch(corpus.train, 4, 8, generator=torch.Generator().manual_seed(0))
+    >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
+    (torch.Size([4, 8]), True)
     """
     if len(tokens) <= block_size:
         raise ValueError(f"{len(tokens)} tokens hold no window of {block_size} tokens plus a target")

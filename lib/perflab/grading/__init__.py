@@ -15,6 +15,7 @@ anywhere else, only ever reaches the grader as data: configurations handed in
 (:mod:`perflab.grading.answers`) or the source of the learner's answer cells, run in a sandboxed
 child that the grader times from outside (:mod:`perflab.grading.child`).
 """
+
 from perflab.grading.answers import hand_in
 
 # The graded cells whose points depend on a measured speed, share of the compute ceiling or ratio.

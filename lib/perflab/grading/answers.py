@@ -10,6 +10,7 @@ field must have exactly its declared type (``True`` is not a batch size, ``"64"`
 Whatever the kernel printed is only ever data: a kernel that prints another configuration hands
 in that configuration, measured like any other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,9 +45,13 @@ def hand_in(**answers) -> None:
 
 def handed_in(outputs: list) -> dict:
     """The answers a cell's outputs hold: exactly one hand-in line, on standard output."""
-    lines = [line[len(HAND_IN_MARKER):] for output in outputs
-             if output.get("output_type") == "stream" and output.get("name") == "stdout"
-             for line in str(output.get("text", "")).splitlines() if line.startswith(HAND_IN_MARKER)]
+    lines = [
+        line[len(HAND_IN_MARKER) :]
+        for output in outputs
+        if output.get("output_type") == "stream" and output.get("name") == "stdout"
+        for line in str(output.get("text", "")).splitlines()
+        if line.startswith(HAND_IN_MARKER)
+    ]
     if not lines:
         raise AnswerError("no answer reached the grader: the cell did not run to its end (see the errors above it)")
     if len(lines) > 1:
@@ -96,7 +101,7 @@ def _check(name: str, value, annotation) -> None:
         raise AnswerError(f"{name}: no rule for values of type {annotation!r}")
 
 
-def train_config(data) -> "TrainConfig":
+def train_config(data) -> TrainConfig:
     """A :class:`~perflab.train.TrainConfig` from handed-in data, every field checked against its declared type."""
     from perflab.train import TrainConfig
 

@@ -11,6 +11,7 @@ reference every time when quiet, and beside the hogs gives either the quiet verd
 whole `nbgrader autograde` runs of lab 09's reference solution, from a copy of the course in the
 current folder, with no verdict reused.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,12 @@ SUBMISSIONS = {
 def _grade_in_fresh_process(config) -> dict:
     from perflab.grading.sandbox import trusted_python
 
-    run = subprocess.run(trusted_python("perflab") + ["grade-capstone"], input=json.dumps({"TrainConfig": asdict(config)}),
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        trusted_python("perflab") + ["grade-capstone"],
+        input=json.dumps({"TrainConfig": asdict(config)}),
+        capture_output=True,
+        text=True,
+    )
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-2000:])
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -46,16 +51,24 @@ def _row(condition: str, name: str, grade: dict, seconds: float) -> str:
     low, high = grade["interval"] or (float("nan"), float("nan"))
     load = next((reason for reason in grade["reasons"] if "cores busy" in reason), "")
     speedup = f"{grade['speedup']:.2f}x" if grade["speedup"] else "-"
-    return f"{condition:<8}{name:<11}{grade['status']:<14}{speedup:>8}  {low:.2f}x-{high:.2f}x  {seconds:5.0f} s  {load}"
+    return (
+        f"{condition:<8}{name:<11}{grade['status']:<14}{speedup:>8}  {low:.2f}x-{high:.2f}x  {seconds:5.0f} s  {load}"
+    )
 
 
 def noise_benchmark(repeats: int, hogs: int) -> None:
     print(f"{'machine':<8}{'submission':<11}{'verdict':<14}{'speedup':>8}  90% CI         time")
     for condition in ("quiet", f"{hogs} hogs"):
-        busy = [] if condition == "quiet" else [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                                                 start_new_session=True) for _ in range(hogs)]
+        busy = (
+            []
+            if condition == "quiet"
+            else [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                for _ in range(hogs)
+            ]
+        )
         try:
-            for index in range(repeats):
+            for _ in range(repeats):
                 for name, config in SUBMISSIONS.items():
                     start = time.perf_counter()
                     grade = _grade_in_fresh_process(config)
@@ -77,20 +90,37 @@ def autograde_benchmark(runs: int, course: Path = Path.cwd()) -> None:
     bin_dir = Path(sys.executable).parent  # nbgrader starts `alembic` from PATH: this environment's
     environment = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     nbgrader = [str(bin_dir / "nbgrader")]
-    subprocess.run([*nbgrader, "generate_assignment", lab, "--force"], cwd=folder, env=environment, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*nbgrader, "generate_assignment", lab, "--force"], cwd=folder, env=environment, check=True, capture_output=True
+    )
     for run in range(1, runs + 1):
         shutil.rmtree(folder / "submitted", ignore_errors=True)
         shutil.copytree(folder / "solutions" / lab, folder / "submitted" / "reference" / lab)
         start = time.perf_counter()
-        subprocess.run([*nbgrader, "autograde", lab, "--force", "--TrustedMeasurement.reuse_verdicts=False"],
-                       cwd=folder, env=environment, check=True, capture_output=True)
+        subprocess.run(
+            [*nbgrader, "autograde", lab, "--force", "--TrustedMeasurement.reuse_verdicts=False"],
+            cwd=folder,
+            env=environment,
+            check=True,
+            capture_output=True,
+        )
         seconds = time.perf_counter() - start
         notebook = nbformat.read(folder / "autograded" / "reference" / lab / f"{lab}.ipynb", as_version=4)
-        verdicts = {cell.metadata["nbgrader"]["grade_id"]: (cell.outputs[0].get("text") or "\n".join(cell.outputs[0].get("traceback", [])))
-                    for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id", "").startswith("test_")
-                    and cell.outputs and "Re-measured" in str(cell.outputs[0])}
+        verdicts = {
+            cell.metadata["nbgrader"]["grade_id"]: (
+                cell.outputs[0].get("text") or "\n".join(cell.outputs[0].get("traceback", []))
+            )
+            for cell in notebook.cells
+            if cell.metadata.get("nbgrader", {}).get("grade_id", "").startswith("test_")
+            and cell.outputs
+            and "Re-measured" in str(cell.outputs[0])
+        }
         print(f"autograde {run}/{runs}: {seconds:.0f} s end to end")
         for cell, text in verdicts.items():
-            print(f"  {cell}: " + " | ".join(text.strip().splitlines()[:3]).replace("Re-measured by the course's grader, outside your notebook: ", ""))
+            print(
+                f"  {cell}: "
+                + " | ".join(text.strip().splitlines()[:3]).replace(
+                    "Re-measured by the course's grader, outside your notebook: ", ""
+                )
+            )
     shutil.rmtree(folder, ignore_errors=True)

@@ -8,6 +8,7 @@ Every configuration is timed in the same interleaved one-epoch rounds, so that e
 is a per-round ratio of neighbours; accuracy comes from full runs, only for configurations whose
 speed already passed. Nothing of the learner's notebook runs here: only its answers, as data.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -15,8 +16,16 @@ from dataclasses import asdict, replace
 
 import torch
 
-from perflab.capstone import (ACCURACY_TOLERANCE, COURSE_WORKLOAD, MIN_SPEEDUP, TRIAL_ROUNDS, baseline_accuracy,
-                              measure_speeds, refusal, speedup_of)
+from perflab.capstone import (
+    ACCURACY_TOLERANCE,
+    COURSE_WORKLOAD,
+    MIN_SPEEDUP,
+    TRIAL_ROUNDS,
+    baseline_accuracy,
+    measure_speeds,
+    refusal,
+    speedup_of,
+)
 from perflab.grading.answers import AnswerError, boolean, train_config
 from perflab.grading.verdict import Verdict, noise_problems
 from perflab.memory import saved_tensors
@@ -27,9 +36,13 @@ BATCH_SPEEDUP = 1.2  # part 3: a larger batch over part 2's pipeline
 AMP_STEPS = 12  # part 4 compares a few steps: a low-precision epoch takes minutes on a CPU without bf16 units
 AMP_MARGIN = 0.10  # part 4: a difference within 10% either way is not worth a decision: either counts
 # What each graded cell hands in.
-HANDED_IN = {"test_data": ("data_config",), "test_batch": ("batch_config", "data_config"),
-             "test_amp": ("amp_config", "batch_config", "KEEP_AMP"), "test_ckpt": ("ckpt_config", "batch_config"),
-             "test_regrade": ("final_config",)}
+HANDED_IN = {
+    "test_data": ("data_config",),
+    "test_batch": ("batch_config", "data_config"),
+    "test_amp": ("amp_config", "batch_config", "KEEP_AMP"),
+    "test_ckpt": ("ckpt_config", "batch_config"),
+    "test_regrade": ("final_config",),
+}
 
 
 def _key(config: TrainConfig) -> tuple:
@@ -85,8 +98,14 @@ def _ratio_text(comparison, what: str) -> str:
     return f"{what}: {comparison.speedup:.2f}x median ({comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x)"
 
 
-def grade_capstone_lab(handed: dict[str, dict], *, device: torch.device, log=print, cache_dir: str | None = None,
-                       rounds: int = TRIAL_ROUNDS) -> dict[str, Verdict]:
+def grade_capstone_lab(
+    handed: dict[str, dict],
+    *,
+    device: torch.device,
+    log=print,
+    cache_dir: str | None = None,
+    rounds: int = TRIAL_ROUNDS,
+) -> dict[str, Verdict]:
     """One verdict per graded cell of lab 09, from ``handed[cell]``: the answers that cell handed in."""
     verdicts: dict[str, Verdict] = {}
     configs: dict[str, dict[str, TrainConfig]] = {}
@@ -103,18 +122,22 @@ def grade_capstone_lab(handed: dict[str, dict], *, device: torch.device, log=pri
             verdicts[cell] = Verdict("fail", "not measured", tuple(failures))
 
     # Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time.
-    timed_cells = [cell for cell in ("test_data", "test_batch", "test_regrade") if cell in configs and cell not in verdicts]
+    timed_cells = [
+        cell for cell in ("test_data", "test_batch", "test_regrade") if cell in configs and cell not in verdicts
+    ]
     timed = [NAIVE]
     for cell in timed_cells:
         timed += [config for config in configs[cell].values() if _key(config) not in map(_key, timed)]
 
     def comparison_of(cell: str, side: dict):
         if cell == "test_batch":
-            return speedup_of(*(side[_key(configs[cell][name])] for name in ("data_config", "batch_config")), "batch_config")
+            return speedup_of(
+                *(side[_key(configs[cell][name])] for name in ("data_config", "batch_config")), "batch_config"
+            )
         name = "data_config" if cell == "test_data" else "final_config"
         return speedup_of(side[_key(NAIVE)], side[_key(configs[cell][name])], name)
 
-    for attempt_rounds in ((rounds, 2 * rounds) if timed_cells else ()):
+    for attempt_rounds in (rounds, 2 * rounds) if timed_cells else ():
         log(f"timing {len(timed)} configurations in {attempt_rounds} interleaved one-epoch rounds")
         trials, load = measure_speeds(timed, rounds=attempt_rounds, device=device, log=log)
         side = {_key(config): results for config, results in zip(timed, trials)}
@@ -127,23 +150,45 @@ def grade_capstone_lab(handed: dict[str, dict], *, device: torch.device, log=pri
         comparison, problems = comparisons[cell], noisy[cell]
         if cell == "test_data":
             candidate = side[_key(configs[cell]["data_config"])]
-            waits = [statistics.median(r.phase_shares["data_wait"] for r in results) for results in (side[_key(NAIVE)], candidate)]
-            failures = [f"data_config is {comparison.speedup:.2f}x the baseline; at least {DATA_SPEEDUP}x expected"] \
-                if comparison.speedup < DATA_SPEEDUP else []
+            waits = [
+                statistics.median(r.phase_shares["data_wait"] for r in results)
+                for results in (side[_key(NAIVE)], candidate)
+            ]
+            failures = (
+                [f"data_config is {comparison.speedup:.2f}x the baseline; at least {DATA_SPEEDUP}x expected"]
+                if comparison.speedup < DATA_SPEEDUP
+                else []
+            )
             if waits[1] >= waits[0] / 2:
-                failures.append(f"waiting for data takes {waits[1]:.0%} of its time, the baseline's {waits[0]:.0%}: "
-                                "it should at least halve")
-            measured = (_ratio_text(comparison, "data_config over the naive baseline")
-                        + f"; waiting for data {waits[0]:.0%} -> {waits[1]:.0%} of the training time")
+                failures.append(
+                    f"waiting for data takes {waits[1]:.0%} of its time, the baseline's {waits[0]:.0%}: "
+                    "it should at least halve"
+                )
+            measured = (
+                _ratio_text(comparison, "data_config over the naive baseline")
+                + f"; waiting for data {waits[0]:.0%} -> {waits[1]:.0%} of the training time"
+            )
         elif cell == "test_batch":
-            failures = [f"batch_config is {comparison.speedup:.2f}x data_config; at least {BATCH_SPEEDUP}x expected"] \
-                if comparison.speedup < BATCH_SPEEDUP else []
+            failures = (
+                [f"batch_config is {comparison.speedup:.2f}x data_config; at least {BATCH_SPEEDUP}x expected"]
+                if comparison.speedup < BATCH_SPEEDUP
+                else []
+            )
             measured = _ratio_text(comparison, "batch_config over data_config")
         else:
-            failures = [f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required"] \
-                if comparison.speedup < MIN_SPEEDUP else []
-            measured = _ratio_text(comparison, "final_config over the naive baseline") + " ({:,.0f} -> {:,.0f} samples/s)".format(
-                *(statistics.median(r.samples_per_s for r in side[_key(c)]) for c in (NAIVE, configs[cell]["final_config"])))
+            failures = (
+                [f"its median speedup is {comparison.speedup:.2f}x, under the {MIN_SPEEDUP}x required"]
+                if comparison.speedup < MIN_SPEEDUP
+                else []
+            )
+            measured = _ratio_text(
+                comparison, "final_config over the naive baseline"
+            ) + " ({:,.0f} -> {:,.0f} samples/s)".format(
+                *(
+                    statistics.median(r.samples_per_s for r in side[_key(c)])
+                    for c in (NAIVE, configs[cell]["final_config"])
+                )
+            )
         if cell in ("test_batch", "test_regrade") and not failures and not problems:
             config = configs[cell]["batch_config" if cell == "test_batch" else "final_config"]
             if _key(config) not in accuracies:  # a final_config that is batch_config trains once
@@ -157,9 +202,13 @@ def grade_capstone_lab(handed: dict[str, dict], *, device: torch.device, log=pri
     if "test_amp" in configs and "test_amp" not in verdicts:
         verdicts["test_amp"] = _grade_amp(configs["test_amp"], handed["test_amp"]["KEEP_AMP"], device, log, rounds)
     if "test_ckpt" in configs and "test_ckpt" not in verdicts:
-        ckpt, batch = (_activation_megabytes(configs["test_ckpt"][name], device) for name in ("ckpt_config", "batch_config"))
+        ckpt, batch = (
+            _activation_megabytes(configs["test_ckpt"][name], device) for name in ("ckpt_config", "batch_config")
+        )
         measured = f"kept for backward: {ckpt:.1f} MB checkpointed, {batch:.1f} MB for batch_config"
-        verdicts["test_ckpt"] = Verdict.decide(measured, [] if ckpt < batch else ["the checkpointed, doubled batch keeps more"])
+        verdicts["test_ckpt"] = Verdict.decide(
+            measured, [] if ckpt < batch else ["the checkpointed, doubled batch keeps more"]
+        )
     return verdicts
 
 
@@ -167,8 +216,9 @@ def _grade_amp(configs: dict[str, TrainConfig], keep_amp: bool, device, log, rou
     amp, batch = configs["amp_config"], configs["batch_config"]
     for attempt_rounds in (rounds, 2 * rounds):
         log(f"timing amp_config against batch_config: {attempt_rounds} interleaved rounds of {AMP_STEPS} steps")
-        (float32, low_precision), load = measure_speeds([replace(batch, name="float32"), amp], rounds=attempt_rounds,
-                                                        device=device, log=log, max_steps=AMP_STEPS)
+        (float32, low_precision), load = measure_speeds(
+            [replace(batch, name="float32"), amp], rounds=attempt_rounds, device=device, log=log, max_steps=AMP_STEPS
+        )
         comparison = speedup_of(float32, low_precision, amp.amp_dtype)
         low, high = comparison.interval
         # Only a clear difference decides: inside the margin either answer counts, and a noisy run decides nothing.
@@ -176,7 +226,15 @@ def _grade_amp(configs: dict[str, TrainConfig], keep_amp: bool, device, log, rou
         if not problems:
             break
     faster, slower = low > 1 + AMP_MARGIN, high < 1 - AMP_MARGIN
-    failures = ["it was measured faster: keep it"] if faster and not keep_amp else \
-        ["it was measured slower: leave it out"] if slower and keep_amp else []
-    return Verdict.decide(_ratio_text(comparison, f"{amp.amp_dtype} autocast over float32") + f"; KEEP_AMP = {keep_amp}",
-                          failures, problems)
+    failures = (
+        ["it was measured faster: keep it"]
+        if faster and not keep_amp
+        else ["it was measured slower: leave it out"]
+        if slower and keep_amp
+        else []
+    )
+    return Verdict.decide(
+        _ratio_text(comparison, f"{amp.amp_dtype} autocast over float32") + f"; KEEP_AMP = {keep_amp}",
+        failures,
+        problems,
+    )

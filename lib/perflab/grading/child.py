@@ -10,6 +10,7 @@ request and stops it (SIGSTOP, its whole process tree) as soon as the reply is i
 the learner's code starts in the background can run while the other side is measured. Messages
 are length-prefixed frames of JSON plus raw bytes: nothing from the child is ever unpickled.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -65,8 +66,14 @@ class AnswerProcess:
         command = trusted_python("perflab.grading.child")
         if require_sandbox():
             command = sandbox_command(command, workdir=self.workdir, readable=[pristine_perflab()])
-        self.process = subprocess.Popen(command, cwd=self.workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            cwd=self.workdir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            start_new_session=True,
+        )
         self._frozen = False
         header, _ = self._exchange({"cells": cells, "handlers": handlers}, timeout_s=setup_timeout_s)
         if "error" in header:

@@ -10,6 +10,7 @@ the child's results are checked against the reference's for those seeds, and the
 on this side's clock, around the request, while the other side is stopped. ``child_*`` functions
 are the child's side of each request.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,14 +35,17 @@ def run_cells(sources: dict[str, str], names: list[str], namespace: dict | None 
     return namespace
 
 
-def _child(cells: dict, machinery: list[str], answers: list[str], handlers: str = HANDLERS,
-           side: str = "learner") -> AnswerProcess:
+def _child(
+    cells: dict, machinery: list[str], answers: list[str], handlers: str = HANDLERS, side: str = "learner"
+) -> AnswerProcess:
     """A child running the lab's ``machinery`` cells, then the ``answers`` cells of ``side``: the learner's or the course's."""
     missing = [name for name in answers if name not in cells[side]]
     if missing:
         raise ChildError(f"the answer cells {missing} are missing from the notebook")
-    return AnswerProcess([(name, cells["course"][name]) for name in machinery]
-                         + [(name, cells[side][name]) for name in answers], handlers=handlers)
+    return AnswerProcess(
+        [(name, cells["course"][name]) for name in machinery] + [(name, cells[side][name]) for name in answers],
+        handlers=handlers,
+    )
 
 
 def _pair(cells: dict, machinery: list[str], answers: list[str]) -> tuple[AnswerProcess, AnswerProcess]:
@@ -79,8 +83,10 @@ def _interleaved(children: tuple[AnswerProcess, AnswerProcess], run, check, *, r
 
 def _ratio_text(comparison: Comparison, what: str) -> str:
     low, high = comparison.interval
-    return (f"{what}: {comparison.speedup:.2f}x median over {len(comparison.ratios)} interleaved rounds "
-            f"({comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x)")
+    return (
+        f"{what}: {comparison.speedup:.2f}x median over {len(comparison.ratios)} interleaved rounds "
+        f"({comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x)"
+    )
 
 
 def _measure(measure_once, rounds: int) -> tuple[Comparison, list[str], list[str]]:
@@ -99,12 +105,17 @@ def _same_floats(a, b, rel_tol: float) -> bool:
 
 def _close(a, b) -> bool:
     """As the lab's own test compares weights: within 1e-4 relative and 1e-5 absolute."""
-    return (isinstance(a, list) and len(a) == len(b) and all(isinstance(x, float) for x in a)
-            and torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5))
+    return (
+        isinstance(a, list)
+        and len(a) == len(b)
+        and all(isinstance(x, float) for x in a)
+        and torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    )
 
 
-def _compare_pair(cells: dict, machinery: list[str], answers: list[str], *, setup, run, check,
-                  labels: tuple[str, str], rounds: int):
+def _compare_pair(
+    cells: dict, machinery: list[str], answers: list[str], *, setup, run, check, labels: tuple[str, str], rounds: int
+):
     """Start the reference's and the learner's children, ``setup(children)``, then measure them interleaved.
 
     Returns (comparison, failures, noise problems, what ``setup`` returned); raises ``ChildError``.
@@ -126,10 +137,13 @@ LAB02_TRANSFORMS = ("preprocess", "preprocess_fast")
 
 def _lab02_setup(children) -> None:
     seed = _seeds.randrange(2**31)
-    want, got = (child.call("lab02_outputs", seed=seed, count=16, transform=name)[1]
-                 for child, name in zip(children, LAB02_TRANSFORMS))
-    if len(got) != len(want) or not torch.allclose(*(torch.frombuffer(bytearray(b), dtype=torch.float32) for b in (got, want)),
-                                                   atol=1e-6):
+    want, got = (
+        child.call("lab02_outputs", seed=seed, count=16, transform=name)[1]
+        for child, name in zip(children, LAB02_TRANSFORMS)
+    )
+    if len(got) != len(want) or not torch.allclose(
+        *(torch.frombuffer(bytearray(b), dtype=torch.float32) for b in (got, want)), atol=1e-6
+    ):
         raise ChildError("preprocess_fast does not return what preprocess returns")
     for child, name in zip(children, LAB02_TRANSFORMS):  # warm-up
         child.call("lab02_run", steps=1, seed=0, transform=name)
@@ -141,22 +155,36 @@ def _lab02_run(child, side, seed):
 
 
 def _lab02_check(reference, candidate):
-    same = (isinstance(candidate, list) and len(candidate) == 2 and candidate[1] == reference[1]
-            and _same_floats(candidate[0], reference[0], 1e-4))
+    same = (
+        isinstance(candidate, list)
+        and len(candidate) == 2
+        and candidate[1] == reference[1]
+        and _same_floats(candidate[0], reference[0], 1e-4)
+    )
     return None if same else "the pipeline with preprocess_fast learns differently from the original"
 
 
 def grade_lab02(cells: dict, rounds: int = 9) -> dict[str, Verdict]:
     try:
         comparison, failures, problems, _ = _compare_pair(
-            cells, LAB02_MACHINERY, ["preprocess_fast"], setup=_lab02_setup, run=_lab02_run, check=_lab02_check,
-            labels=LAB02_TRANSFORMS, rounds=rounds)
+            cells,
+            LAB02_MACHINERY,
+            ["preprocess_fast"],
+            setup=_lab02_setup,
+            run=_lab02_run,
+            check=_lab02_check,
+            labels=LAB02_TRANSFORMS,
+            rounds=rounds,
+        )
     except ChildError as error:
         return {"test_preprocess_speed": Verdict.refused(str(error))}
     if comparison.speedup < 1.5:
         failures.append(f"the fixed pipeline should be at least 1.5x faster; it is {comparison.speedup:.2f}x")
-    return {"test_preprocess_speed": Verdict.decide(_ratio_text(comparison, "run_pipeline with preprocess_fast over preprocess"),
-                                                    failures, problems)}
+    return {
+        "test_preprocess_speed": Verdict.decide(
+            _ratio_text(comparison, "run_pipeline with preprocess_fast over preprocess"), failures, problems
+        )
+    }
 
 
 def child_lab02_outputs(namespace, payload, seed, count, transform):
@@ -189,22 +217,40 @@ def _lab06_run(child, side, seed):
 
 
 def _lab06_check(reference, candidate):
-    same = (isinstance(candidate, dict) and set(candidate) == {"losses", "weights"}
-            and _same_floats(candidate["losses"], reference["losses"], 1e-4) and _close(candidate["weights"], reference["weights"]))
-    return None if same else "the compiled step's losses or updated weights differ from the eager step's on the same weights and data"
+    same = (
+        isinstance(candidate, dict)
+        and set(candidate) == {"losses", "weights"}
+        and _same_floats(candidate["losses"], reference["losses"], 1e-4)
+        and _close(candidate["weights"], reference["weights"])
+    )
+    return (
+        None
+        if same
+        else "the compiled step's losses or updated weights differ from the eager step's on the same weights and data"
+    )
 
 
 def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     try:
         comparison, failures, problems, minimum = _compare_pair(
-            cells, LAB06_MACHINERY, LAB06_ANSWERS, setup=_lab06_setup, run=_lab06_run, check=_lab06_check,
-            labels=("eager step", "compiled step"), rounds=rounds)
+            cells,
+            LAB06_MACHINERY,
+            LAB06_ANSWERS,
+            setup=_lab06_setup,
+            run=_lab06_run,
+            check=_lab06_check,
+            labels=("eager step", "compiled step"),
+            rounds=rounds,
+        )
     except ChildError as error:
         return {"test_compiled_speed": Verdict.refused(str(error))}
     if comparison.speedup < minimum:
         failures.append(f"the compiled step is {comparison.speedup:.2f}x the eager one; at least {minimum}x expected")
-    return {"test_compiled_speed": Verdict.decide(_ratio_text(comparison, f"{LAB06_STEPS} compiled steps over eager ones"),
-                                                  failures, problems)}
+    return {
+        "test_compiled_speed": Verdict.decide(
+            _ratio_text(comparison, f"{LAB06_STEPS} compiled steps over eager ones"), failures, problems
+        )
+    }
 
 
 def child_lab06_setup(namespace, payload, compiled):
@@ -229,8 +275,10 @@ def child_lab06_prepare(namespace, payload, seed):
             parameter.copy_(value)
     generator = torch.Generator().manual_seed(seed)
     shape, device = namespace["batch_shape"], namespace["device"]
-    namespace["_batch"] = ((3 * torch.randn(*shape, generator=generator)).to(device),
-                           torch.randn(*shape, generator=generator).to(device))
+    namespace["_batch"] = (
+        (3 * torch.randn(*shape, generator=generator)).to(device),
+        torch.randn(*shape, generator=generator).to(device),
+    )
     return None, b""
 
 

@@ -10,6 +10,7 @@ this side's clock while the child is stopped. The ceiling's batches, made before
 come from a child of their own by the same road, so that both sides pay the same for the trip. Every batch is checked (outside the clock) to be a
 crop or flipped crop of a subset image with that image's label, each image once per epoch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,7 @@ def crop_index(images: torch.Tensor) -> dict[bytes, set[int]]:
     """Each of the 50 crops and flipped crops (32 px of 36) of every image, by its digest: digest -> image indices."""
     index: dict[bytes, set[int]] = {}
     for i, image in enumerate(images.cpu()):
-        crops = [image[:, top:top + 32, left:left + 32] for top in range(5) for left in range(5)]
+        crops = [image[:, top : top + 32, left : left + 32] for top in range(5) for left in range(5)]
         for crop in crops + [crop.flip(-1) for crop in crops]:
             index.setdefault(_digest(crop), set()).add(i)
     return index
@@ -52,8 +53,8 @@ def _batch_from(result, payload: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     count = result.get("count") if isinstance(result, dict) else None
     if type(count) is not int or not 0 < count <= 8192 or len(payload) != count * (3 * 32 * 32 + 8):
         raise ChildError("fast_epoch gave a batch that is not uint8 [B, 3, 32, 32] images with int64 labels")
-    images = torch.frombuffer(bytearray(payload[:count * 3 * 32 * 32]), dtype=torch.uint8).view(count, 3, 32, 32)
-    labels = torch.frombuffer(bytearray(payload[count * 3 * 32 * 32:]), dtype=torch.int64)
+    images = torch.frombuffer(bytearray(payload[: count * 3 * 32 * 32]), dtype=torch.uint8).view(count, 3, 32, 32)
+    labels = torch.frombuffer(bytearray(payload[count * 3 * 32 * 32 :]), dtype=torch.int64)
     return images, labels
 
 
@@ -61,10 +62,16 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     namespace = run_cells(cells["course"], LAB03_MACHINERY + ["step"])
     device, batch_size, step = namespace["device"], namespace["BATCH"], namespace["training_step"]
     course_cache = namespace["CachedImages"](namespace["data"].train, progress=False)
-    ceiling_batches = [[t.to(device) for t in batch] for _, batch in
-                       zip(range(4), namespace["cached_batches"](course_cache.to(device), batch_size=batch_size, seed=0))]
+    ceiling_batches = [
+        [t.to(device) for t in batch]
+        for _, batch in zip(
+            range(4), namespace["cached_batches"](course_cache.to(device), batch_size=batch_size, seed=0)
+        )
+    ]
     subset = torch.randperm(len(course_cache), generator=torch.Generator().manual_seed(_seeds.randrange(2**31)))
-    images, labels = (t.index_select(0, subset[:STEPS_PER_EPOCH * batch_size]) for t in (course_cache.images, course_cache.labels))
+    images, labels = (
+        t.index_select(0, subset[: STEPS_PER_EPOCH * batch_size]) for t in (course_cache.images, course_cache.labels)
+    )
     index = crop_index(images)
     try:
         child = _child(cells, LAB03_MACHINERY, ["batch_crop_flip", "fast_epoch"], handlers=__name__)
@@ -72,8 +79,11 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         return {"test_ceiling": Verdict.refused(str(error))}
     ceiling = AnswerProcess([], handlers=__name__)
     orders: set[tuple[int, ...]] = set()
-    ceiling.call("lab03_load_ceiling", b"".join(_batch_bytes(*batch) for batch in ceiling_batches),
-                 counts=[len(labels) for _, labels in ceiling_batches])
+    ceiling.call(
+        "lab03_load_ceiling",
+        b"".join(_batch_bytes(*batch) for batch in ceiling_batches),
+        counts=[len(labels) for _, labels in ceiling_batches],
+    )
 
     def epoch(seed: int) -> tuple[float, float, int, int]:
         """One paired epoch: (pipeline seconds, ceiling seconds, pipeline samples, ceiling samples); raises if wrong."""
@@ -102,10 +112,14 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
                     raise ChildError("a batch image is not a crop of a subset image with its own label")
                 seen.append(owners[0])
         if sorted(seen) != list(range(len(labels))):
-            raise ChildError(f"an epoch gave {len(seen)} samples ({len(set(seen))} different) of {len(labels)}: "
-                             "every sample exactly once")
+            raise ChildError(
+                f"an epoch gave {len(seen)} samples ({len(set(seen))} different) of {len(labels)}: "
+                "every sample exactly once"
+            )
         if tuple(seen) in orders:
-            raise ChildError("two epochs with different seeds came in the same order: each epoch must be drawn from its seed")
+            raise ChildError(
+                "two epochs with different seeds came in the same order: each epoch must be drawn from its seed"
+            )
         orders.add(tuple(seen))
         return pipeline_s, ceiling_s, samples, ceiling_samples
 
@@ -116,11 +130,16 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
                 pipeline_s, ceiling_s, samples, ceiling_samples = epoch(_seeds.randrange(2**31))
                 times[0].append(ceiling_s / ceiling_samples)
                 times[1].append(pipeline_s / samples)
-        return Comparison(Timing("ceiling", tuple(times[0])), Timing("yours", tuple(times[1])), confidence=0.9), [], load
+        return (
+            Comparison(Timing("ceiling", tuple(times[0])), Timing("yours", tuple(times[1])), confidence=0.9),
+            [],
+            load,
+        )
 
     try:
-        child.call("lab03_load", images.numpy().tobytes() + labels.numpy().tobytes(), count=len(labels),
-                   batch_size=batch_size)
+        child.call(
+            "lab03_load", images.numpy().tobytes() + labels.numpy().tobytes(), count=len(labels), batch_size=batch_size
+        )
         epoch(_seeds.randrange(2**31))  # warm-up
         comparison, failures, problems = _measure(measure_once, rounds)
     except ChildError as error:
@@ -130,25 +149,34 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         ceiling.close()
     share = comparison.speedup
     low, high = comparison.interval
-    measured = (f"your pipeline reaches {share:.0%} of the compute ceiling (median of {len(comparison.ratios)} rounds "
-                f"interleaved step by step, 90% CI {low:.0%}-{high:.0%}), {statistics.median(comparison.baseline.times) ** -1:,.0f} "
-                f"samples/s at the ceiling, on {len(labels)} images the grader chose")
+    measured = (
+        f"your pipeline reaches {share:.0%} of the compute ceiling (median of {len(comparison.ratios)} rounds "
+        f"interleaved step by step, 90% CI {low:.0%}-{high:.0%}), {statistics.median(comparison.baseline.times) ** -1:,.0f} "
+        f"samples/s at the ceiling, on {len(labels)} images the grader chose"
+    )
     if share < MIN_SHARE:
-        failures.append(f"{share:.0%} of the ceiling: the step still waits for data (at least {MIN_SHARE:.0%} expected)")
+        failures.append(
+            f"{share:.0%} of the ceiling: the step still waits for data (at least {MIN_SHARE:.0%} expected)"
+        )
     return {"test_ceiling": Verdict.decide(measured, failures, problems)}
 
 
 def child_lab03_load(namespace, payload, count, batch_size):
     pixels = count * 3 * 36 * 36
-    namespace["_images"] = torch.frombuffer(bytearray(payload[:pixels]), dtype=torch.uint8).view(count, 3, 36, 36).to(namespace["device"])
+    namespace["_images"] = (
+        torch.frombuffer(bytearray(payload[:pixels]), dtype=torch.uint8).view(count, 3, 36, 36).to(namespace["device"])
+    )
     namespace["_labels"] = torch.frombuffer(bytearray(payload[pixels:]), dtype=torch.int64).to(namespace["device"])
     namespace["_batch_size"] = batch_size
     return None, b""
 
 
 def child_lab03_start(namespace, payload, seed):
-    namespace["_epoch"] = iter(namespace["fast_epoch"](namespace["_images"], namespace["_labels"],
-                                                       batch_size=namespace["_batch_size"], seed=seed))
+    namespace["_epoch"] = iter(
+        namespace["fast_epoch"](
+            namespace["_images"], namespace["_labels"], batch_size=namespace["_batch_size"], seed=seed
+        )
+    )
     return None, b""
 
 
@@ -158,8 +186,10 @@ def child_lab03_next(namespace, payload):
         return "done", b""
     images, labels = batch
     if images.dtype != torch.uint8 or tuple(images.shape[1:]) != (3, 32, 32) or labels.dtype != torch.int64:
-        raise TypeError(f"a batch must be uint8 [B, 3, 32, 32] images and int64 labels, got {images.dtype} "
-                        f"{tuple(images.shape)} and {labels.dtype}")
+        raise TypeError(
+            f"a batch must be uint8 [B, 3, 32, 32] images and int64 labels, got {images.dtype} "
+            f"{tuple(images.shape)} and {labels.dtype}"
+        )
     return {"count": len(labels)}, _batch_bytes(images, labels)
 
 
@@ -167,7 +197,7 @@ def child_lab03_load_ceiling(namespace, payload, counts):
     batches, offset = [], 0
     for count in counts:
         size = count * (3 * 32 * 32 + 8)
-        batches.append(({"count": count}, payload[offset:offset + size]))
+        batches.append(({"count": count}, payload[offset : offset + size]))
         offset += size
     namespace["_ceiling"] = itertools.cycle(batches)
     return None, b""

@@ -10,6 +10,7 @@ kernel has ended and before ``SaveAutoGrades`` reads the outputs, replaces each 
 output with what the trusted grader measured: a pass prints the measurement, a fail or an
 inconclusive measurement raises it as an error, which scores zero and shows in the feedback.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,9 +61,13 @@ class SandboxedKernelManager(AsyncKernelManager):
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
         if require_sandbox():
             workdir = os.path.abspath(kw.get("cwd") or os.getcwd())
-            kernel_cmd = sandbox_command(kernel_cmd, workdir=workdir, hidden=self.hidden_paths,
-                                         readable=[os.path.abspath(self.connection_file)],
-                                         writable=[self._socket_dir])
+            kernel_cmd = sandbox_command(
+                kernel_cmd,
+                workdir=workdir,
+                hidden=self.hidden_paths,
+                readable=[os.path.abspath(self.connection_file)],
+                writable=[self._socket_dir],
+            )
         await super()._async_launch_kernel(kernel_cmd, **kw)
 
 
@@ -91,8 +96,14 @@ def verdict_outputs(verdict: Verdict) -> list:
     """A pass as printed text (full points); anything else as an error (zero), with what was measured."""
     if verdict.passed:
         return [nbformat.v4.new_output("stream", name="stdout", text=verdict.text() + "\n")]
-    return [nbformat.v4.new_output("error", ename=f"Grader{verdict.status.capitalize()}",
-                                   evalue="; ".join(verdict.reasons), traceback=verdict.text().splitlines())]
+    return [
+        nbformat.v4.new_output(
+            "error",
+            ename=f"Grader{verdict.status.capitalize()}",
+            evalue="; ".join(verdict.reasons),
+            traceback=verdict.text().splitlines(),
+        )
+    ]
 
 
 def _without_names(answer):
@@ -107,24 +118,36 @@ def _machine() -> list:
     """This machine, its software and the grading code (every source file of perflab), as a cache key."""
     cpu = platform.processor()
     if Path("/proc/cpuinfo").exists():
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), cpu)
+        cpu = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), cpu
+        )
     code = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(Path(__file__).parents[1].rglob("*.py"))))
-    return [cpu, os.cpu_count(), os.environ.get("PERFLAB_DEVICE", ""), importlib.metadata.version("torch"), code.hexdigest()]
+    return [
+        cpu,
+        os.cpu_count(),
+        os.environ.get("PERFLAB_DEVICE", ""),
+        importlib.metadata.version("torch"),
+        code.hexdigest(),
+    ]
 
 
 def _verdict_key(job: dict, grade_id: str) -> str:
     """The same answer to the same cell of the same lab, graded by the same code and software on the same machine."""
     answer = _without_names(job["handed_in"][grade_id]) if job["lab"] == "lab09_capstone" else job["cells"]["learner"]
-    return hashlib.sha256(json.dumps([job["lab"], grade_id, answer, job["cells"]["course"], _machine()],
-                                     sort_keys=True).encode()).hexdigest()[:24]
+    return hashlib.sha256(
+        json.dumps([job["lab"], grade_id, answer, job["cells"]["course"], _machine()], sort_keys=True).encode()
+    ).hexdigest()[:24]
 
 
 class TrustedMeasurement(NbGraderPreprocessor):
     """Decide the measured cells of ``MEASURED_CELLS`` outside the learner's kernel (see the module's docstring)."""
 
     timeout = Integer(1800, help="seconds the trusted grading of one notebook may take").tag(config=True)
-    reuse_verdicts = Bool(True, help="give a cell the verdict measured earlier on this machine for the very same "
-                                     "answer (a pass or a fail, never an inconclusive one)").tag(config=True)
+    reuse_verdicts = Bool(
+        True,
+        help="give a cell the verdict measured earlier on this machine for the very same "
+        "answer (a pass or a fail, never an inconclusive one)",
+    ).tag(config=True)
 
     def preprocess(self, nb, resources):
         lab = resources["nbgrader"]["assignment"]
@@ -133,15 +156,21 @@ class TrustedMeasurement(NbGraderPreprocessor):
         if not cells:
             return nb, resources
         coursedir = CourseDirectory(config=self.config)
-        source_path = os.path.join(coursedir.format_path(coursedir.source_directory, ".", lab),
-                                   f"{resources['nbgrader']['notebook']}.ipynb")
+        source_path = os.path.join(
+            coursedir.format_path(coursedir.source_directory, ".", lab), f"{resources['nbgrader']['notebook']}.ipynb"
+        )
         source = nbformat.read(source_path, as_version=4)
         job = {
             "lab": lab,
             "cells": {
-                "course": {_grade_id(c): _clean(c.source) for c in source.cells if c.cell_type == "code" and _grade_id(c)},
-                "learner": {_grade_id(c): c.source for c in nb.cells if c.cell_type == "code" and _grade_id(c)
-                            and c.metadata["nbgrader"].get("solution")},
+                "course": {
+                    _grade_id(c): _clean(c.source) for c in source.cells if c.cell_type == "code" and _grade_id(c)
+                },
+                "learner": {
+                    _grade_id(c): c.source
+                    for c in nb.cells
+                    if c.cell_type == "code" and _grade_id(c) and c.metadata["nbgrader"].get("solution")
+                },
             },
             "handed_in": {},
             "cache_dir": os.path.join(coursedir.root, ".perflab-grading"),
@@ -170,8 +199,13 @@ class TrustedMeasurement(NbGraderPreprocessor):
             verdict = verdicts.get(grade_id) or Verdict.refused("the grader gave no verdict for this cell")
             cell.outputs = verdict_outputs(verdict)
             if verdict.status == "inconclusive":
-                self.log.warning("INCONCLUSIVE: %s / %s / %s scored 0: re-grade it on a quiet machine (%s)",
-                                 student, lab, grade_id, "; ".join(verdict.reasons[1:]))
+                self.log.warning(
+                    "INCONCLUSIVE: %s / %s / %s scored 0: re-grade it on a quiet machine (%s)",
+                    student,
+                    lab,
+                    grade_id,
+                    "; ".join(verdict.reasons[1:]),
+                )
             else:
                 self.log.info("%s / %s: %s", grade_id, verdict.status, verdict.measured)
         return nb, resources
@@ -185,8 +219,13 @@ class TrustedMeasurement(NbGraderPreprocessor):
 
     def _run(self, job: dict) -> dict[str, Verdict]:
         with tempfile.TemporaryFile("w+") as errors:
-            process = subprocess.Popen(trusted_python("perflab.grading.session"), stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            process = subprocess.Popen(
+                trusted_python("perflab.grading.session"),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             process.stdin.write(json.dumps(job))
             process.stdin.close()
             for line in process.stderr:

@@ -19,6 +19,7 @@ The trusted grading process runs ``python -I -S`` (no current folder or ``PYTHON
 the path, no ``site``: no ``.pth`` file or ``sitecustomize.py`` runs) with perflab imported from a
 copy taken when grading started, so that nothing written during grading reaches it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,19 @@ import perflab
 
 # What a sandboxed process keeps of the environment; ipykernel's JPY_PARENT_PID is left out on purpose: the
 # launcher's pid is another number inside the sandbox, and the kernel would take it for gone and exit.
-_KEPT_ENVIRONMENT = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PERFLAB_DEVICE", "CUDA_VISIBLE_DEVICES",
-                     "NBGRADER_EXECUTION", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYDEVD_DISABLE_FILE_VALIDATION"}
+_KEPT_ENVIRONMENT = {
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "PERFLAB_DEVICE",
+    "CUDA_VISIBLE_DEVICES",
+    "NBGRADER_EXECUTION",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "PYDEVD_DISABLE_FILE_VALIDATION",
+}
 # Set to 0 only on a machine without bubblewrap, knowing that learner code then runs with the instructor's rights.
 SANDBOX_ENV_VAR = "PERFLAB_GRADING_SANDBOX"
 
@@ -51,8 +63,9 @@ def bwrap_works() -> bool:
     """Whether bubblewrap is installed and can build a sandbox here (some containers forbid namespaces)."""
     if shutil.which("bwrap") is None:
         return False
-    probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "true"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["bwrap", "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "true"], capture_output=True, timeout=30
+    )
     return probe.returncode == 0
 
 
@@ -64,26 +77,52 @@ def require_sandbox() -> bool:
         raise RuntimeError(
             "perflab grades each submission in a bubblewrap sandbox, and bwrap is missing or cannot create "
             "namespaces here: install it (Debian/Ubuntu: apt-get install bubblewrap), or set "
-            f"{SANDBOX_ENV_VAR}=0 to grade without a sandbox (answer cells then run with your rights)")
+            f"{SANDBOX_ENV_VAR}=0 to grade without a sandbox (answer cells then run with your rights)"
+        )
     return True
 
 
 def _runtime_paths() -> list[str]:
     """The folders a Python process of this environment reads: its prefix, the standard library, perflab."""
     # The interpreter's own folder too (a virtualenv's, which `python -S` does not report as its prefix), and sys.path.
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))),
-             sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], str(Path(perflab.__file__).resolve().parents[1]),
-             *(p for p in sys.path if p)}
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        str(Path(perflab.__file__).resolve().parents[1]),
+        *(p for p in sys.path if p),
+    }
     return sorted(p for p in paths if os.path.exists(p))
 
 
-def sandbox_command(argv: list[str], *, workdir: str, hidden: list[str] = (), readable: list[str] = (),
-                    writable: list[str] = (), env: dict[str, str] | None = None) -> list[str]:
+def sandbox_command(
+    argv: list[str],
+    *,
+    workdir: str,
+    hidden: list[str] = (),
+    readable: list[str] = (),
+    writable: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """``argv`` wrapped in bubblewrap: read-only everywhere, ``hidden`` folders emptied, ``workdir`` writable."""
     from perflab.data.images import DATA_ENV_VAR, data_root
 
-    command = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-               "--dir", "/tmp/home"]
+    command = [
+        "bwrap",
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        "--dir",
+        "/tmp/home",
+    ]
     for path in hidden:
         command += ["--tmpfs", os.path.abspath(path)]
     # Re-expose, read-only, what a hidden folder holds that the process needs (the course's .venv and lib/).
@@ -101,8 +140,16 @@ def sandbox_command(argv: list[str], *, workdir: str, hidden: list[str] = (), re
     command += ["--clearenv"]
     for name, value in environment.items():
         command += ["--setenv", name, value]
-    command += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--cap-drop", "ALL",
-                "--chdir", os.path.abspath(workdir)]
+    command += [
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--chdir",
+        os.path.abspath(workdir),
+    ]
     return command + list(argv)
 
 
@@ -121,9 +168,10 @@ def pristine_perflab() -> str:
     if imported_from.name.startswith(_PRISTINE_PREFIX):  # the trusted grader itself runs from one: no second copy
         return str(imported_from)
     folder = tempfile.mkdtemp(prefix=_PRISTINE_PREFIX)
-    shutil.copytree(Path(perflab.__file__).parent, Path(folder) / "perflab",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for root, dirs, files in os.walk(folder):
+    shutil.copytree(
+        Path(perflab.__file__).parent, Path(folder) / "perflab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
+    for root, _, files in os.walk(folder):
         for name in files:
             os.chmod(os.path.join(root, name), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     return folder
@@ -137,8 +185,16 @@ def trusted_python(module: str) -> list[str]:
     """
     # The standard library and the environment's packages; not the current folder, not perflab's source folder.
     stdlib = sysconfig.get_paths()["stdlib"]
-    paths = [pristine_perflab(), *dict.fromkeys(p for p in sys.path if p == stdlib or os.path.basename(p) in
-                                                 ("lib-dynload", "site-packages", "dist-packages"))]
-    bootstrap = (f"import sys; sys.path[:] = {paths!r}; sys.dont_write_bytecode = True; "
-                 f"import runpy; runpy.run_module({module!r}, run_name='__main__')")
+    paths = [
+        pristine_perflab(),
+        *dict.fromkeys(
+            p
+            for p in sys.path
+            if p == stdlib or os.path.basename(p) in ("lib-dynload", "site-packages", "dist-packages")
+        ),
+    ]
+    bootstrap = (
+        f"import sys; sys.path[:] = {paths!r}; sys.dont_write_bytecode = True; "
+        f"import runpy; runpy.run_module({module!r}, run_name='__main__')"
+    )
     return [sys.executable, "-I", "-S", "-c", bootstrap]

@@ -6,6 +6,7 @@ The job names the lab and holds the course's cells (from the instructor's source
 learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
 in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ def grade_job(job: dict, log) -> dict[str, Verdict]:
         from perflab.device import pick_device
         from perflab.grading.capstone_lab import grade_capstone_lab
 
-        handed = {cell: AnswerError(answers["error"]) if "error" in answers else answers
-                  for cell, answers in job["handed_in"].items()}
+        handed = {
+            cell: AnswerError(answers["error"]) if "error" in answers else answers
+            for cell, answers in job["handed_in"].items()
+        }
         return grade_capstone_lab(handed, device=pick_device(), log=log, cache_dir=job.get("cache_dir"))
     if lab == "lab02_profiling":
         from perflab.grading.code_labs import grade_lab02 as grade_lab

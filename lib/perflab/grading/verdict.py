@@ -15,11 +15,13 @@ little CPU while it measured (``MAX_OTHER_LOAD``); otherwise the grader re-measu
 rounds and, failing that, says "inconclusive": zero points and a request to re-grade on a quiet
 machine, never a verdict.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import psutil
 
@@ -64,7 +66,7 @@ class LoadMeter:
         self.ours = ours
         self.other_cores = 0.0
 
-    def __enter__(self) -> "LoadMeter":
+    def __enter__(self) -> LoadMeter:
         self._start = (time.perf_counter(), _busy_seconds(), self.ours())
         return self
 
@@ -79,11 +81,15 @@ def noise_problems(comparison: Comparison, load: LoadMeter) -> list[str]:
     problems = []
     low, high = comparison.interval
     if high / low > MAX_SPREAD:
-        problems.append(f"the rounds disagree: {comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x is wider than "
-                        f"{MAX_SPREAD}x from end to end")
+        problems.append(
+            f"the rounds disagree: {comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x is wider than "
+            f"{MAX_SPREAD}x from end to end"
+        )
     if load.other_cores > MAX_OTHER_LOAD:
-        problems.append(f"other processes kept {load.other_cores:.2f} cores busy while it measured "
-                        f"(at most {MAX_OTHER_LOAD} allowed)")
+        problems.append(
+            f"other processes kept {load.other_cores:.2f} cores busy while it measured "
+            f"(at most {MAX_OTHER_LOAD} allowed)"
+        )
     return problems
 
 
@@ -96,14 +102,14 @@ class Verdict:
     reasons: tuple[str, ...] = ()
 
     @classmethod
-    def decide(cls, measured: str, failures: list[str], problems: list[str] = ()) -> "Verdict":
+    def decide(cls, measured: str, failures: list[str], problems: list[str] = ()) -> Verdict:
         """Inconclusive when the measurement was noisy, else fail on any failed check, else pass."""
         if problems:
             return cls("inconclusive", measured, (INCONCLUSIVE, *problems))
         return cls("fail" if failures else "pass", measured, tuple(failures))
 
     @classmethod
-    def refused(cls, reason: str) -> "Verdict":
+    def refused(cls, reason: str) -> Verdict:
         """A failure found before any measurement: no answer, an answer that is not data, a changed task."""
         return cls("fail", "not measured", (reason,))
 
@@ -122,5 +128,5 @@ class Verdict:
         return {"status": self.status, "measured": self.measured, "reasons": list(self.reasons)}
 
     @classmethod
-    def from_dict(cls, fields: dict) -> "Verdict":
+    def from_dict(cls, fields: dict) -> Verdict:
         return cls(fields["status"], fields["measured"], tuple(fields["reasons"]))

@@ -13,9 +13,11 @@
 ``resnet`` is a small CIFAR-style convolutional network, ``gpt`` a small decoder-only
 transformer with three interchangeable attention implementations.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -20,6 +20,7 @@ queries, keys and values that returns ``(B, H, T, D)``:
 with one can run with another. Each block runs inside ``record_function("gpt.block{i}")``, a
 named region in profiler traces (eager mode only: ``torch.compile`` drops them).
 """
+
 from __future__ import annotations
 
 import math

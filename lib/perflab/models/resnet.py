@@ -19,11 +19,12 @@ trace shows where each block's time went (in eager mode: ``torch.compile`` drops
 regions from the graphs it builds), and can be recomputed in the backward pass instead of
 storing its activations (``checkpoint_blocks=True``).
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
