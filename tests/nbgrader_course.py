@@ -1,7 +1,8 @@
 """A throwaway nbgrader course built from this repository, for the grading tests.
 
 course = NbgraderCourse.copy_of_repo(tmp_path)
-course.run("generate_assignment", "lab01_timing", "--force")
+course.release_all()                  # every lab, in one nbgrader process
+mine = course.copy_to(other_tmp_path)  # sources, releases and gradebook: a test's own course
 """
 
 from __future__ import annotations
@@ -53,9 +54,17 @@ class NbgraderCourse:
             raise AssertionError(f"`nbgrader {' '.join(args)}` failed ({completed.returncode}):\n{output[-6000:]}")
         return output
 
+    def copy_to(self, parent: Path) -> NbgraderCourse:
+        """This course as it stands (sources, releases, gradebook), copied to ``parent/course``."""
+        return NbgraderCourse(Path(shutil.copytree(self.root, parent / "course")))
+
     def release(self, lab: str) -> Path:
         self.run("generate_assignment", lab, "--force")
         return self.root / "labs" / lab
+
+    def release_all(self) -> None:
+        """Release every lab: nbgrader matches the assignment "*" against every folder of solutions/."""
+        self.run("generate_assignment", "*", "--force")
 
     def submit(self, student: str, lab: str, files_from: Path) -> None:
         """Hand in a copy of a lab folder as ``student``, as ``nbgrader collect`` would lay it out."""

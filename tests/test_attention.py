@@ -68,13 +68,13 @@ def test_curves_see_naive_memory_grow_quadratically_and_tiled_linearly():
         heads=2,
         head_dim=16,
         device="cpu",
-        repeats=None,
+        samples=None,
     )
     assert all(3.5 < growth < 4.5 for growth in curves.growth("naive"))
     assert all(1.0 < growth < 2.6 for growth in curves.growth("tiled"))
     assert curves.times == {} and curves.allocator_bytes == {}
     assert curves.peak_bytes["naive"][-1] >= 2 * 1024 * 1024 * 4  # at least one float32 score matrix
-    with pytest.raises(ValueError, match="repeats"):
+    with pytest.raises(ValueError, match="samples"):
         curves.growth("naive", of="time")
     with pytest.raises(ValueError, match="'memory' or 'time'"):
         curves.growth("naive", of="speed")
@@ -84,7 +84,7 @@ def test_curves_see_naive_memory_grow_quadratically_and_tiled_linearly():
 def test_timed_curves_have_a_timing_per_length_and_a_labelled_figure():
     import matplotlib.pyplot as plt
 
-    curves = attention_curves({"sdpa": sdpa_attention}, (64, 128), heads=1, head_dim=8, device="cpu", repeats=2)
+    curves = attention_curves({"sdpa": sdpa_attention}, (64, 128), heads=1, head_dim=8, device="cpu", samples=2)
     assert [timing.label for timing in curves.times["sdpa"]] == ["sdpa T=64", "sdpa T=128"]
     assert len(curves.growth("sdpa", of="time")) == 1
     figure = curves.figure()

@@ -4,7 +4,16 @@ import time
 import numpy as np
 import pytest
 import torch
-from perflab.bench import Comparison, Timing, benchmark, compare, format_seconds, median_confidence_interval
+from perflab.bench import (
+    Comparison,
+    Timing,
+    benchmark,
+    compare,
+    format_seconds,
+    interleaved_rounds,
+    median_confidence_interval,
+    median_ratio,
+)
 from torch.utils.benchmark import Compare
 
 
@@ -38,14 +47,14 @@ def test_format_seconds_picks_a_readable_unit():
 
 
 def test_benchmark_measures_a_known_duration():
-    timing = benchmark(lambda: time.sleep(0.01), repeats=5, warmup=1, min_sample_s=1e-3)
+    timing = benchmark(lambda: time.sleep(0.01), samples=5, warmup=1, min_sample_s=1e-3)
     assert len(timing.times) == 5 and timing.calls_per_sample == 1
     assert 0.009 < timing.median < 0.05
 
 
 def test_benchmark_warms_up_and_batches_fast_calls():
     calls = []
-    timing = benchmark(lambda: calls.append(1), repeats=4, warmup=3, min_sample_s=1e-3)
+    timing = benchmark(lambda: calls.append(1), samples=4, warmup=3, min_sample_s=1e-3)
     assert timing.calls_per_sample > 1, "a call of microseconds is too short to time alone"
     assert len(calls) == 3 + 1 + 4 * timing.calls_per_sample  # warmup, calibration, samples
     assert timing.median < 1e-4
@@ -54,14 +63,14 @@ def test_benchmark_warms_up_and_batches_fast_calls():
 def test_benchmark_runs_at_the_current_thread_count():
     threads = torch.get_num_threads()
     seen = []
-    timing = benchmark(lambda: seen.append(torch.get_num_threads()), repeats=2, warmup=0)
+    timing = benchmark(lambda: seen.append(torch.get_num_threads()), samples=2, warmup=0)
     assert set(seen) == {threads} and timing.num_threads == threads
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(repeats=0), "repeats"),
+        (dict(samples=0), "samples"),
         (dict(warmup=-1), "warmup"),
         (dict(min_sample_s=0), "min_sample_s"),
     ],
@@ -99,7 +108,7 @@ def test_compare_finds_a_real_speedup_and_interleaves():
         lambda: (order.append("a"), time.sleep(0.004)),
         lambda: (order.append("b"), time.sleep(0.001)),
         labels=("slow", "fast"),
-        repeats=7,
+        rounds=7,
         warmup=0,
         min_sample_s=1e-4,
     )
@@ -116,7 +125,7 @@ def test_compare_says_when_there_is_no_clear_difference():
     def work():
         time.sleep(0.002)
 
-    comparison = compare(work, work, repeats=9, warmup=0)
+    comparison = compare(work, work, rounds=9, warmup=0)
     assert 0.9 < comparison.speedup < 1.1
     assert comparison.verdict == "no clear difference"
 
@@ -124,8 +133,77 @@ def test_compare_says_when_there_is_no_clear_difference():
 def test_compare_refuses_too_few_rounds_before_timing_anything():
     calls = []
     with pytest.raises(ValueError, match="too few"):
-        compare(lambda: calls.append(1), lambda: calls.append(1), repeats=3)
+        compare(lambda: calls.append(1), lambda: calls.append(1), rounds=3)
     assert calls == []
+
+
+def test_compare_names_rounds_in_its_error():
+    with pytest.raises(ValueError, match="rounds must be a positive integer"):
+        compare(lambda: None, lambda: None, rounds=0)
+
+
+def _recording_side(name, calls):
+    def run(round_index):
+        calls.append((name, round_index))
+        return f"{name}{round_index}"
+
+    return run
+
+
+def test_interleaved_rounds_warm_up_each_side_then_alternate_ab_ba():
+    calls = []
+    results = interleaved_rounds([_recording_side("a", calls), _recording_side("b", calls)], 5)
+    assert calls[:2] == [("a", 5), ("b", 5)], "the warm-up runs each side once, in order, with a seed of its own"
+    timed = calls[2:]
+    assert "".join(name for name, _ in timed) == "ab" + "ba" + "ab" + "ba" + "ab"
+    assert [index for _, index in timed] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4], "each round passes its index"
+    assert results == [[f"a{i}" for i in range(5)], [f"b{i}" for i in range(5)]], "one list per side, warm-up left out"
+
+
+def test_interleaved_rounds_reverse_any_number_of_sides_and_report_each_round():
+    calls, seen = [], []
+    results = interleaved_rounds(
+        [_recording_side(name, calls) for name in "abc"],
+        3,
+        warmup=False,
+        after_round=lambda index, so_far: seen.append((index, [len(side) for side in so_far], len(calls))),
+    )
+    assert "".join(name for name, _ in calls) == "abc" + "cba" + "abc", "no warm-up when told so"
+    assert seen == [(0, [1, 1, 1], 3), (1, [2, 2, 2], 6), (2, [3, 3, 3], 9)], "after_round runs between rounds"
+    assert [len(side) for side in results] == [3, 3, 3]
+
+
+def test_interleaved_rounds_stop_when_after_round_says_so():
+    calls = []
+    results = interleaved_rounds(
+        [_recording_side(name, calls) for name in "ab"], 9, warmup=False, after_round=lambda index, _: index == 1
+    )
+    assert [len(side) for side in results] == [2, 2] and len(calls) == 4, "no round after the one that said stop"
+
+
+@pytest.mark.parametrize("rounds", [0, -2, 2.0, True])
+def test_interleaved_rounds_refuse_fewer_than_one_round_before_running_anything(rounds):
+    calls = []
+    with pytest.raises(ValueError, match="rounds must be a positive integer"):
+        interleaved_rounds([_recording_side("a", calls)], rounds)
+    assert calls == []
+    with pytest.raises(ValueError, match="at least one side"):
+        interleaved_rounds([], 3)
+
+
+def test_median_ratio_pairs_values_of_the_same_round():
+    assert median_ratio([2.0, 9.0, 4.0], [1.0, 3.0, 1.0]) == 3.0  # ratios 2, 3, 4; the medians' ratio would be 4
+    with pytest.raises(ValueError):
+        median_ratio([1.0, 2.0], [1.0])
+
+
+def test_repeats_is_accepted_for_one_release_with_a_warning_naming_the_new_keyword():
+    with pytest.warns(DeprecationWarning, match=r"benchmark\(samples=") as caught:
+        timing = benchmark(lambda: None, repeats=3, warmup=0, min_sample_s=1e-4)
+    assert len(timing.times) == 3 and caught[0].filename == __file__, "the warning points at the caller"
+    with pytest.warns(DeprecationWarning, match=r"compare\(rounds="):
+        comparison = compare(lambda: None, lambda: None, repeats=7, warmup=0, min_sample_s=1e-4)
+    assert len(comparison.ratios) == 7
 
 
 def test_comparison_needs_paired_samples():

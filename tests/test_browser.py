@@ -146,6 +146,7 @@ def _run_cell(page, text: str):
     return cell
 
 
+@pytest.mark.slow
 def test_lab01_runs_to_its_not_implemented_error_and_validates(jupyterlab, page):
     _open_notebook(page, jupyterlab, "labs/lab01_timing/lab01_timing.ipynb")
 
@@ -177,6 +178,7 @@ def _result_changes(page, explorer, interact) -> str:
     return result.inner_text()
 
 
+@pytest.mark.slow
 def test_lecture_explorers_react_to_their_controls(jupyterlab, page):
     _open_notebook(page, jupyterlab, "lectures/01_gpu_basics.ipynb")
     loading = _run_cell(page, "from perflab.widgets import")

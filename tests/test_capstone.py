@@ -15,17 +15,10 @@ from nbgrader_course import REPO
 from perflab.capstone import COURSE_WORKLOAD, CapstoneBenchmark, grade
 from perflab.grading.answers import handed_in, train_config
 from perflab.grading.capstone_lab import grade_capstone_lab
+from perflab.render import Environment
 from perflab.train import NAIVE, OPTIMIZED
 
-ENVIRONMENT = {
-    "device": "cpu",
-    "device_name": "test CPU",
-    "threads": 2,
-    "torch": "x",
-    "date": "d",
-    "commit": "c",
-    "python": "3",
-}
+ENVIRONMENT = Environment(device="cpu", device_name="test CPU", torch="x", threads=2, python="3", date="d", commit="c")
 
 
 def test_benchmark_prints_each_figure_and_ends_with_the_speedup():
@@ -62,6 +55,7 @@ def test_grader_takes_only_a_config():
         grade(OPTIMIZED, replace(COURSE_WORKLOAD, train_per_class=250))  # the course owns the workload
 
 
+@pytest.mark.slow
 def test_grader_fails_a_patched_clock(monkeypatch):
     """A clock that runs 5x slow makes the baseline look 5x faster here; the grader's process has its own."""
     real = time.perf_counter

@@ -1,6 +1,7 @@
+import perflab
 import pytest
 import torch
-from perflab.device import DEVICE_ENV_VAR, available_devices, count_syncs, pick_device, synchronize
+from perflab.device import DEVICE_ENV_VAR, SyncCounter, available_devices, count_syncs, pick_device, synchronize
 
 
 def test_pick_device_defaults_to_the_best_available(monkeypatch):
@@ -42,9 +43,9 @@ def test_synchronize_waits_for_queued_cuda_work():
     assert end.query(), "after synchronize every queued kernel has finished"
 
 
-def test_count_syncs_counts_each_host_request_once():
+def test_sync_counter_counts_each_host_request_once():
     x = torch.randn(8)
-    with count_syncs() as syncs:
+    with SyncCounter() as syncs:
         x.sum().item()
         f"{x.sum():.3f}"
         bool(x.sum() > 0)
@@ -56,17 +57,27 @@ def test_count_syncs_counts_each_host_request_once():
     assert "5 host-device sync points" in repr(syncs)
 
 
-def test_count_syncs_restores_tensor_methods_even_after_an_error():
+def test_sync_counter_restores_tensor_methods_even_after_an_error():
     before = {name: torch.Tensor.__dict__.get(name) for name in ("item", "__repr__", "__bool__")}
     with pytest.raises(ZeroDivisionError):
-        with count_syncs():
+        with SyncCounter():
             raise ZeroDivisionError
     after = {name: torch.Tensor.__dict__.get(name) for name in before}
     assert after == before
 
 
-def test_count_syncs_cannot_be_entered_twice():
-    counter = count_syncs()
+def test_sync_counter_cannot_be_entered_twice():
+    counter = SyncCounter()
     with counter:
         with pytest.raises(RuntimeError, match="already counting"):
             counter.__enter__()
+
+
+def test_count_syncs_still_counts_but_warns_it_was_renamed():
+    with pytest.warns(DeprecationWarning, match="SyncCounter"):
+        counter = perflab.count_syncs()
+    assert perflab.count_syncs is count_syncs and isinstance(counter, SyncCounter)
+    assert "SyncCounter" in perflab.__all__ and "count_syncs" not in perflab.__all__
+    with counter as syncs:
+        torch.ones(2).sum().item()
+    assert syncs.total == 1

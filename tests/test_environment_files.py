@@ -1,10 +1,15 @@
 """pyproject.toml, environment.yml and binder/ must install the same packages at the same pins."""
 
 import re
+import shutil
+import sys
 
 import tomllib
 import yaml
 from nbgrader_course import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import environment_files  # noqa: E402  (tools/ is not a package: it is put on the path above)
 
 
 def _normalized(requirement: str) -> str:
@@ -50,3 +55,24 @@ def test_binder_post_build_installs_perflab_and_hides_instructor_pages():
     assert "pip install --no-deps -e ." in script
     assert "disable --level=sys_prefix @jupyter/nbgrader:formgrader" in script
     assert "nbgrader.server_extensions.formgrader" in script
+
+
+def test_the_environment_files_are_what_the_script_writes_from_pyproject():
+    assert environment_files.stale_files() == [], "run python tools/environment_files.py"
+
+
+def test_the_script_finds_a_stale_file_and_rewrites_it(tmp_path):
+    for name in ("pyproject.toml", "environment.yml", "binder/environment.yml"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"numpy>=1.26"', '"numpy>=2.1"'))
+    assert environment_files.stale_files(tmp_path) == ["environment.yml", "binder/environment.yml"]
+    text = environment_files.environment_file("environment.yml", pyproject)
+    assert "      - numpy>=2.1\n" in text and yaml.safe_load(text)["dependencies"][-1]["pip"][-1] == "-e ."
+
+
+def test_the_version_has_one_source():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "perflab.__version__"}

@@ -258,3 +258,29 @@ def test_the_grader_reports_the_reason_of_a_failing_job(tmp_path):
     verdicts = {cell: Verdict.from_dict(fields) for cell, fields in json.loads(run.stdout.splitlines()[-1]).items()}
     assert verdicts["test_regrade"] == Verdict.refused("no answer reached the grader")
     assert verdicts["test_data"].status == "fail" and "baseline's own configuration" in verdicts["test_data"].reasons[0]
+
+
+def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():
+    from perflab.grading.code_labs import _interleaved, _ratio_text, measure_until_decided
+
+    class FakeChild:
+        runs = 0
+
+        def cpu_seconds(self):
+            return 0.0
+
+    children = (FakeChild(), FakeChild())
+
+    def run(child, side, seed):
+        child.runs += 1
+        return ("right" if side == 0 or child.runs < 3 else "wrong"), 0.01 * (side + 1)
+
+    def check(reference, candidate):
+        return None if candidate == reference else "the candidate's result differs"
+
+    comparison, failures, problems = measure_until_decided(
+        lambda n: _interleaved(children, run, check, rounds=n, labels=("reference", "yours")), 15
+    )
+    assert failures == ["the candidate's result differs"] and problems == []
+    assert children[1].runs == 3 and len(comparison.ratios) == 3, "no timing after the first wrong result"
+    assert "stopped after 3 round(s)" in _ratio_text(comparison, "yours over the reference")

@@ -56,7 +56,7 @@ def test_results_show_as_a_table_and_a_curve():
         device="cpu",
     )
     text = repr(tradeoff)
-    assert text.startswith("Tradeoff(2 variants; forward + backward on cpu, median of 1 interleaved rounds")
+    assert text.splitlines()[-1].startswith("2 variants; forward + backward on cpu, median of 1 interleaved rounds")
     assert "time relative to 'plain'" in text and "cheap" in text and "MB" in text and "1.00x" in text
     assert "<table>" in tradeoff._repr_html_() and "cheap" in tradeoff._repr_html_()
     figure = tradeoff_curve(tradeoff, caption="a test machine")

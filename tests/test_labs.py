@@ -30,9 +30,10 @@ def test_there_are_labs():
     assert "lab01_timing" in LAB_NAMES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lab", LAB_NAMES)
-def test_released_lab_matches_its_source(tmp_path, lab):
-    fresh = NbgraderCourse.copy_of_repo(tmp_path).release(lab)
+def test_released_lab_matches_its_source(released_course, lab):
+    fresh = released_course.root / "labs" / lab
     committed = REPO / "labs" / lab
     assert committed.is_dir(), f"labs/{lab} is missing: run {REGENERATE.format(lab=lab)}"
     fresh_files = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
@@ -58,8 +59,9 @@ def test_release_holds_only_notebooks_and_declared_data(lab):
             )
 
 
-def test_helper_files_beside_a_source_never_reach_the_release(tmp_path):
-    course = NbgraderCourse.copy_of_repo(tmp_path)
+@pytest.mark.slow
+def test_helper_files_beside_a_source_never_reach_the_release(released_course, tmp_path):
+    course = released_course.copy_to(tmp_path)
     source = course.root / "solutions" / "lab01_timing"
     (source / "reference_answers.py").write_text("ANSWER = 42\n")
     (source / "data").mkdir()
@@ -100,11 +102,12 @@ def _source_digests() -> dict[str, str]:
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent" for path in paths}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lab", LAB_NAMES)
-def test_grading_round_trip(tmp_path, lab):
-    """Release, hand in the solution, the untouched release and every attack; autograde, feedback, export."""
-    course = NbgraderCourse.copy_of_repo(tmp_path)
-    release = course.release(lab)
+def test_grading_round_trip(released_course, tmp_path, lab):
+    """Hand in the solution, the untouched release and every attack; autograde, feedback, export."""
+    course = released_course.copy_to(tmp_path)
+    release = course.root / "labs" / lab
     course.submit("solved", lab, files_from=course.root / "solutions" / lab)
     course.submit("untouched", lab, files_from=release)
     attacks = [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]

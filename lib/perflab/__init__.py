@@ -1,23 +1,35 @@
 """perflab: the shared library of the perflab course on PyTorch performance engineering.
 
+    >>> import torch
     >>> import perflab
-    >>> device = perflab.pick_device()
-    >>> perflab.benchmark(lambda: model(batch), device=device)
-    >>> perflab.doctor()
+    >>> device = perflab.pick_device()                  # cuda if present, else mps, else cpu
+    >>> x = torch.randn(256, 256, device=device)
+    >>> perflab.benchmark(lambda: x @ x, device=device, label="matmul 256")
+    Timing(matmul 256 on ...: median ..., IQR ..., p95 ...; 20 samples x ... calls, ... threads)
+    >>> with perflab.SyncCounter() as syncs:
+    ...     total = (x @ x).sum().item()                 # .item(): the host waits for the device
+    >>> syncs.total
+    1
+
+``perflab.doctor()`` (in a terminal, ``python -m perflab doctor``) measures what this machine can
+do in a few seconds: see :mod:`perflab.doctor`.
 
 Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
-``profile``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``tradeoff``, ``floats``,
-``amp``, ``checkpoint``, ``compiling``, ``distributed``, ``attention``; the course's workloads in
+``profiling``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``tradeoff``, ``floats``,
+``amp``, ``training_state``, ``compiling``, ``distributed``, ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
 ``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
 capstone's benchmark and grader in ``capstone``; grading outside the learner's kernel in ``grading``. The most used
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
+
+Used in: every notebook, lectures 01-08 and labs 01-09.
 """
 
 from perflab.bench import Comparison, Timing, benchmark, compare
-from perflab.device import count_syncs, pick_device, synchronize
+from perflab.device import SyncCounter, pick_device, synchronize
+from perflab.device import count_syncs as count_syncs  # deprecated name, importable for one more release
 from perflab.doctor import doctor
 
 __version__ = "0.1.0"
-__all__ = ["Comparison", "Timing", "benchmark", "compare", "count_syncs", "doctor", "pick_device", "synchronize"]
+__all__ = ["Comparison", "SyncCounter", "Timing", "benchmark", "compare", "doctor", "pick_device", "synchronize"]

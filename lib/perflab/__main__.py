@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"capstone: interleaved one-epoch rounds (default {BENCHMARK_ROUNDS})",
     )
     bench_parser.add_argument(
-        "--repeats", type=int, default=5, help="grader: gradings of each submission per condition"
+        "--gradings", type=int, default=5, help="grader: gradings of each submission per condition (default 5)"
     )
     bench_parser.add_argument(
         "--hogs", type=int, default=2, help="grader: busy processes beside the grader (default 2)"
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.autograde:
             autograde_benchmark(args.autograde)
         else:
-            noise_benchmark(args.repeats, args.hogs)
+            noise_benchmark(args.gradings, args.hogs)
     elif args.command == "bench":
         from perflab.capstone import benchmark_capstone
 

@@ -1,10 +1,13 @@
 """Page faults per training step, and how to keep freed memory in the process (Linux, glibc).
 
+    >>> import torch
     >>> from perflab.allocator import keep_freed_memory, page_faults
     >>> with page_faults() as faults:
-    ...     step(images, labels)
-    >>> faults.count                 # minor page faults while the step ran
-    >>> keep_freed_memory()          # True where glibc's mallopt was there to call
+    ...     activations = torch.ones(2**22)   # 16 MiB of fresh memory: each 4 KiB page faults in when first written
+    >>> faults.count > 0                      # minor page faults inside the block; None where the system has no count
+    True
+    >>> keep_freed_memory()                   # for the rest of the process; False (changing nothing) without glibc
+    True
 
 A CPU training step allocates and frees tens of megabytes of activations and gradients. glibc's
 ``malloc`` serves large blocks with fresh memory mappings (from 128 KiB, a threshold it raises
@@ -17,6 +20,8 @@ so that freed blocks are reused. jemalloc and tcmalloc (loaded with ``LD_PRELOAD
 by design; PyTorch's performance tuning guide recommends them for CPU training
 (https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html). On a GPU the activations
 live in the CUDA caching allocator, which keeps freed blocks already.
+
+Used in: lecture 03 (data loading), lecture 05 (memory checkpointing), lab 03.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ try:
 except ImportError:  # Windows
     resource = None
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
-LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit machines
+__all__ = ["PageFaults", "keep_freed_memory", "page_faults"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+_LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit machines
 
 
 @dataclass
@@ -70,4 +77,4 @@ def keep_freed_memory(keep_bytes: int = 2**30) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, keep_bytes))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, keep_bytes))

@@ -1,10 +1,28 @@
 """Which dtype ``torch.autocast`` gives each operation, read off the outputs of real calls.
 
+    >>> import torch
     >>> from perflab.amp import autocast_dtypes
     >>> table = autocast_dtypes("cpu", torch.bfloat16)
     >>> table["linear"].effect, table["cross_entropy"].effect, table["relu"].effect
     ('lowered', 'raised', 'unchanged')
-    >>> table                      # in a notebook: one row per operation, what autocast did to it
+    >>> table.with_effect("lowered")
+    ['matmul (x @ x)', 'linear', 'conv2d']
+    >>> table                      # one row per operation: what autocast did to it
+    op                        float32 in, autocast  low in, autocast  low in, no autocast  autocast
+    matmul (x @ x)            bfloat16              bfloat16          bfloat16             lowered
+    linear                    bfloat16              bfloat16          bfloat16             lowered
+    conv2d                    bfloat16              bfloat16          bfloat16             lowered
+    relu                      float32               bfloat16          bfloat16             unchanged
+    gelu                      float32               bfloat16          bfloat16             unchanged
+    add (x + float32 tensor)  float32               float32           float32              unchanged
+    exp                       float32               bfloat16          bfloat16             unchanged
+    sum                       float32               bfloat16          bfloat16             unchanged
+    softmax                   float32               bfloat16          bfloat16             unchanged
+    log_softmax               float32               bfloat16          bfloat16             unchanged
+    layer_norm                float32               bfloat16          bfloat16             unchanged
+    mse_loss                  float32               float32           bfloat16             raised
+    cross_entropy             float32               float32           bfloat16             raised
+    torch.autocast(device_type='cpu', dtype=torch.bfloat16), measured with torch ...
 
 Autocast keeps lists of operations per device (the autocast op reference,
 https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference): matmuls and convolutions
@@ -17,11 +35,12 @@ Each operation runs three times on a small tensor:
 - low-precision input under autocast, and the same without autocast: float32 under autocast
   where plain PyTorch gives low precision means autocast *raised* it;
 - otherwise autocast left it *unchanged*: the output follows the inputs as usual.
+
+Used in: lecture 04 (mixed precision).
 """
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,10 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from perflab.device import pick_device
-from perflab.tables import text_table
+from perflab.render import Table
 
-LOW_PRECISIONS = (torch.bfloat16, torch.float16)
-SIZE = 16  # operations run on SIZE x SIZE tensors: enough for every op, fast even in fallback kernels
+__all__ = ["AutocastReport", "AutocastRow", "DEFAULT_OPS", "autocast_dtypes"]
+
+_LOW_PRECISIONS = (torch.bfloat16, torch.float16)
+_SIZE = 16  # operations run on _SIZE x _SIZE tensors: enough for every op, fast even in fallback kernels
 
 
 def _targets(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +93,7 @@ class AutocastRow:
 
     @property
     def effect(self) -> str:
-        if self.from_float32 in LOW_PRECISIONS:
+        if self.from_float32 in _LOW_PRECISIONS:
             return "lowered"
         if self.from_low == torch.float32 and self.without_autocast != torch.float32:
             return "raised"
@@ -83,6 +104,7 @@ class AutocastRow:
 
 
 _HEADER = ("op", "float32 in, autocast", "low in, autocast", "low in, no autocast", "autocast")
+_EFFECT_COLOURS = {"lowered": "#b8e2b0", "raised": "#f4a3a3", "unchanged": ""}
 
 
 @dataclass(frozen=True)
@@ -103,24 +125,20 @@ class AutocastReport:
         """The operations autocast ``"lowered"``, ``"raised"`` or left ``"unchanged"``."""
         return [row.op for row in self.rows if row.effect == effect]
 
-    @property
-    def _caption(self) -> str:
+    def _table(self) -> Table:
         autocast = f"torch.autocast(device_type={self.device!r}, dtype={self.dtype})"
-        return f"{autocast}, measured with torch {torch.__version__}"
+        return Table(
+            _HEADER,
+            [row._cells() for row in self.rows],
+            caption=f"{autocast}, measured with torch {torch.__version__}",
+            row_colours=[_EFFECT_COLOURS[row.effect] for row in self.rows],
+        )
 
     def __repr__(self) -> str:
-        return f"AutocastReport: {self._caption}\n" + text_table(_HEADER, [row._cells() for row in self.rows])
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        colours = {"lowered": "#b8e2b0", "raised": "#f4a3a3", "unchanged": "#ffffff"}
-        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in _HEADER)
-        body = "".join(
-            f'<tr style="background:{colours[row.effect]};color:#000">'
-            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row._cells())
-            + "</tr>"
-            for row in self.rows
-        )
-        return f"<table><caption>{html.escape(self._caption)}</caption><tr>{head}</tr>{body}</table>"
+        return self._table()._repr_html_()
 
 
 def autocast_dtypes(
@@ -137,10 +155,10 @@ def autocast_dtypes(
     if not torch.amp.is_autocast_available(device.type):
         raise ValueError(f"torch.autocast does not support device type {device.type!r}")
     dtype = dtype if dtype is not None else (torch.float16 if device.type == "cuda" else torch.bfloat16)
-    if dtype not in LOW_PRECISIONS:
+    if dtype not in _LOW_PRECISIONS:
         raise ValueError(f"autocast lowers to bfloat16 or float16, got {dtype}")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(SIZE, SIZE, generator=generator).to(device)
+    x = torch.randn(_SIZE, _SIZE, generator=generator).to(device)
     rows = []
     for name, op in (ops if ops is not None else DEFAULT_OPS).items():
         with torch.autocast(device_type=device.type, dtype=dtype):

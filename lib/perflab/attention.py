@@ -1,14 +1,21 @@
 """Attention, measured: which SDPA backends run here, and how memory and time grow with sequence length.
 
+    >>> import torch
     >>> from perflab.attention import attention_curves, largest_new_tensor, sdpa_backends
+    >>> from perflab.models.gpt import naive_attention, sdpa_attention
     >>> q = k = v = torch.randn(1, 4, 512, 32)
-    >>> sdpa_backends(q, k, v, is_causal=True)     # each backend alone: does it run, which kernel, or why not
+    >>> backends = sdpa_backends(q, k, v, is_causal=True)   # each backend alone: does it run, which kernel, or why not
+    >>> backends.working                           # for these CPU tensors; CUDA ones have more
+    ['MATH', 'FLASH_ATTENTION']
+    >>> backends["MATH"].kernel                    # the formula, op by op
+    'unfused: ... ops, including bmm, _safe_softmax'
     >>> curves = attention_curves({"naive": naive_attention, "sdpa": sdpa_attention}, lengths=(256, 512, 1024))
-    >>> curves.growth("naive")                     # peak memory ratio from one length to the next
-    (3.9..., 3.9...)
+    >>> curves.growth("naive"), curves.growth("sdpa")   # peak memory ratio from one length to the next
+    ((3.8..., 3.9...), (2.0, 2.0))
     >>> curves.figure()                            # peak memory and time against T, log-log
+    <Figure size ... with 2 Axes>
     >>> with largest_new_tensor() as largest:
-    ...     naive_attention(q, k, v)
+    ...     out = naive_attention(q, k, v)
     >>> largest.shape                              # the T x T scores of the 4 heads
     (4, 512, 512)
 
@@ -17,12 +24,13 @@
 records the fused kernel each call dispatched to, or the error and the warnings PyTorch gives
 for a backend that cannot take these inputs. Nothing is assumed from a list: the answer depends
 on the device, the dtype, the head dimension, the mask and dropout, and on the torch version.
+
+Used in: lecture 08 (flash attention), lab 08.
 """
 
 from __future__ import annotations
 
 import contextlib
-import html
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,11 +44,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from perflab.bench import Timing, benchmark, format_seconds
-from perflab.device import device_name, pick_device
+from perflab.device import pick_device
 from perflab.memory import new_tensors, peak_memory
-from perflab.tables import text_table
+from perflab.render import Environment, Table, add_footer
 
-BACKENDS = tuple(backend for backend in SDPBackend.__members__.values() if backend != SDPBackend.ERROR)
+__all__ = [
+    "AttentionCurves",
+    "BackendTrial",
+    "LargestTensor",
+    "SdpaBackends",
+    "attention_curves",
+    "largest_new_tensor",
+    "sdpa_backends",
+]
+
+_BACKENDS = tuple(backend for backend in SDPBackend.__members__.values() if backend != SDPBackend.ERROR)
 _TRIGGERED_AT = re.compile(r"\s*\(Triggered internally at .*\)\s*$", re.DOTALL)
 
 
@@ -141,30 +159,25 @@ class SdpaBackends:
         """The backends that ran when enabled alone."""
         return [t.backend for t in self.trials if t.runs and t.backend != "default"]
 
-    @property
-    def _caption(self) -> str:
-        return f"SDPA on {self.device}, {self.inputs}; torch {torch.__version__}"
+    def _table(self) -> Table:
+        return Table(
+            ("backend", "kernel", "why not"),
+            [t._cells() for t in self.trials],
+            caption=f"SDPA on {self.device}, {self.inputs}; torch {torch.__version__}",
+            row_colours=["#b8e2b0" if t.runs else "#f4a3a3" for t in self.trials],
+        )
 
     def __repr__(self) -> str:
-        return f"SdpaBackends: {self._caption}\n" + text_table(
-            ("backend", "kernel", "why not"), [t._cells() for t in self.trials]
-        )
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f'<tr style="background:{"#b8e2b0" if t.runs else "#f4a3a3"};color:#000">'
-            + "".join(f"<td>{html.escape(cell)}</td>" for cell in t._cells())
-            + "</tr>"
-            for t in self.trials
-        )
-        head = "<tr><th>backend</th><th>kernel</th><th>why not</th></tr>"
-        return f"<table><caption>{html.escape(self._caption)}</caption>{head}{rows}</table>"
+        return self._table()._repr_html_()
 
 
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> SdpaBackends:
     """Call SDPA on ``q, k, v`` (and ``attn_mask``, ``dropout_p``, ``is_causal``...) with each backend alone."""
     trials = [BackendTrial("default", *_try(None, q, k, v, sdpa_kwargs))]
-    trials += [BackendTrial(backend.name, *_try([backend], q, k, v, sdpa_kwargs)) for backend in BACKENDS]
+    trials += [BackendTrial(backend.name, *_try([backend], q, k, v, sdpa_kwargs)) for backend in _BACKENDS]
     options = ", ".join(
         f"{name}={'<tensor>' if isinstance(value, torch.Tensor) else value}" for name, value in sdpa_kwargs.items()
     )
@@ -196,41 +209,30 @@ class AttentionCurves:
         if of not in ("memory", "time"):
             raise ValueError(f"growth of 'memory' or 'time', got {of!r}")
         if of == "time" and name not in self.times:
-            raise ValueError(f"no times were measured for {name!r}: pass repeats to attention_curves")
+            raise ValueError(f"no times were measured for {name!r}: pass samples to attention_curves")
         values = self.peak_bytes[name] if of == "memory" else [t.median for t in self.times[name]]
         return tuple(after / before for before, after in zip(values, values[1:]))
 
-    def _rows(self) -> list[tuple[str, ...]]:
-        rows = []
+    def _table(self) -> Table:
+        header, rows = ["T"], []
+        for name in self.names:
+            header += [f"{name} peak"] + ([f"{name} time"] if name in self.times else [])
         for index, length in enumerate(self.lengths):
-            row = [str(length)]
+            row = [length]
             for name in self.names:
                 row.append(f"{self.peak_bytes[name][index] / 1e6:.2f} MB")
                 if name in self.times:
                     row.append(format_seconds(self.times[name][index].median))
-            rows.append(tuple(row))
-        return rows
-
-    def _header(self) -> tuple[str, ...]:
-        header = ["T"]
-        for name in self.names:
-            header += [f"{name} peak"] + ([f"{name} time"] if name in self.times else [])
-        return tuple(header)
+            rows.append(row)
+        growth = "; ".join(f"{name} x{', x'.join(f'{g:.2f}' for g in self.growth(name))}" for name in self.names)
+        caption = f"{self.caption}\npeak memory growth from one length to the next: {growth}"
+        return Table(header, rows, caption=caption, numeric=range(len(header)))
 
     def __repr__(self) -> str:
-        growth = "; ".join(f"{name} x{', x'.join(f'{g:.2f}' for g in self.growth(name))}" for name in self.names)
-        return (
-            f"AttentionCurves: {self.caption}\n"
-            + text_table(self._header(), self._rows())
-            + f"\npeak memory growth from one length to the next: {growth}"
-        )
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in self._header())
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
-        )
-        return f"<table><caption>{html.escape(self.caption)}</caption><tr>{head}</tr>{body}</table>"
+        return self._table()._repr_html_()
 
     def figure(self, title: str = "Attention against sequence length") -> Figure:
         """Peak memory (and time, when measured) against T, log-log: a slope of 2 is quadratic, 1 linear."""
@@ -255,8 +257,7 @@ class AttentionCurves:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         figure.suptitle(title)
-        figure.text(0.01, 0.005, self.caption, fontsize=7, color="#555555")
-        figure.tight_layout(rect=(0, 0.04, 1, 1))
+        add_footer(figure, self.caption)
         return figure
 
 
@@ -270,11 +271,11 @@ def attention_curves(
     causal: bool = True,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
-    repeats: int | None = 5,
+    samples: int | None = 5,
 ) -> AttentionCurves:
-    """Measure each ``fn(q, k, v, causal=...)`` at each length: peak memory once, time ``repeats`` times.
+    """Measure each ``fn(q, k, v, causal=...)`` at each length: peak memory once, time in ``samples`` samples.
 
-    ``repeats=None`` measures memory only. Inputs are ``(batch, heads, T, head_dim)``, the same
+    ``samples=None`` measures memory only. Inputs are ``(batch, heads, T, head_dim)``, the same
     for every implementation at a length, so the curves differ only by the algorithm.
     """
     if not implementations:
@@ -295,20 +296,19 @@ def attention_curves(
                 peaks[name].append(peak.bytes)
                 if peak.allocator_peak_bytes is not None:
                     allocator[name].append(peak.allocator_peak_bytes)
-                if repeats is not None:
+                if samples is not None:
                     times[name].append(
                         benchmark(
                             lambda: attention(q, k, v, causal=causal),  # noqa: B023 (timed here, in this iteration)
                             label=f"{name} T={length}",
                             device=device,
-                            repeats=repeats,
+                            samples=samples,
                             warmup=1,
                         )
                     )
     caption = (
         f"(batch {batch}, heads {heads}, T, head dim {head_dim}) {str(dtype).removeprefix('torch.')}, "
-        f"{'causal' if causal else 'not causal'}, forward only; {device_name(device)} ({device}), "
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)"
+        f"{'causal' if causal else 'not causal'}, forward only; {Environment.capture(device)}"
     )
     return AttentionCurves(
         lengths=tuple(lengths),

@@ -1,32 +1,57 @@
 """Timing done right: warm up, synchronize, repeat, report the spread, compare side by side.
 
+    >>> import torch
     >>> from perflab.bench import benchmark, compare
-    >>> x = torch.randn(512, 512)
-    >>> benchmark(lambda: x @ x, label="matmul 512")
-    Timing(matmul 512 on cpu: median ..., IQR ..., p95 ...; 20 samples x ... calls, 2 threads)
-    >>> compare(lambda: x @ x, lambda: torch.mm(x, x), labels=("@", "mm"))
-    Comparison(mm vs @: ...x (95% CI ...x-...x) over 21 interleaved rounds; no clear difference)
+    >>> x = torch.randn(256, 256)
+    >>> benchmark(lambda: x @ x, label="matmul 256")
+    Timing(matmul 256 on ...: median ..., IQR ..., p95 ...; 20 samples x ... calls, ... threads)
+    >>> compare(lambda: x @ x, lambda: torch.mm(x, x), labels=("@", "mm"))   # the same kernel: no clear winner
+    Comparison(mm vs @: ...x (95% CI ...x-...x) over 21 interleaved rounds; ...)
 
 Each sample runs the function enough times to last ``min_sample_s`` (so the clock's own
 resolution does not matter), with the device synchronized before the clock is read, at the
 *current* thread count (``torch.utils.benchmark.Timer`` would pin it to one thread unless told).
 ``Timing.to_measurement()`` hands results to ``torch.utils.benchmark.Compare`` for tables:
 
-    >>> Compare([benchmark(f, label=name).to_measurement() for name, f in cases]).print()
+    >>> from torch.utils.benchmark import Compare
+    >>> cases = {"x @ x": lambda: x @ x, "x + x": lambda: x + x}
+    >>> Compare([benchmark(f, label=name, samples=5).to_measurement() for name, f in cases.items()]).print()
+    [...perflab...]
+    ...
+          x @ x  |  ...
+          x + x  |  ...
+    Times are in ...
+
+Used in: lectures 01-08, labs 01, 02, 04, 05, 06 and 09.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from perflab.device import pick_device, synchronize
+from perflab.render import Table
+
+__all__ = [
+    "Comparison",
+    "NEGLIGIBLE_CHANGE",
+    "Timing",
+    "benchmark",
+    "compare",
+    "format_seconds",
+    "interleaved_rounds",
+    "median_confidence_interval",
+    "median_ratio",
+    "time_call",
+]
 
 
 def format_seconds(seconds: float) -> str:
@@ -116,9 +141,7 @@ class Timing:
             ("samples", f"{len(self.times)} x {self.calls_per_sample} calls"),
             ("threads", self.num_threads),
         ]
-        header = "".join(f"<th>{name}</th>" for name, _ in cells)
-        row = "".join(f"<td>{html.escape(str(value))}</td>" for _, value in cells)
-        return f"<table><tr>{header}</tr><tr>{row}</tr></table>"
+        return Table([name for name, _ in cells], [[value for _, value in cells]])._repr_html_()
 
 
 class _Sampler:
@@ -161,13 +184,68 @@ def time_call(fn: Callable[[], object], device: str | torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _check_counts(repeats: int, warmup: int, min_sample_s: float) -> None:
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+_T = TypeVar("_T")
+
+
+def interleaved_rounds(
+    sides: Sequence[Callable[[int], _T]],
+    rounds: int,
+    *,
+    warmup: bool = True,
+    after_round: Callable[[int, list[list[_T]]], object] | None = None,
+) -> list[list[_T]]:
+    """Run each side once per round, the order reversing every other round (AB, BA, AB...): one list per side.
+
+    ``side(round_index)`` runs that side once and returns what it measured (seconds, an epoch, a
+    training result); the round index doubles as a seed for sides that draw their data. Each
+    round runs every side back to back, so whatever drifts during the run (clock boost, another
+    process, a cache that warms) hits every side of a round alike, and the order reverses so that
+    no side is always first. Compare the sides by the median of their per-round ratios
+    (:func:`median_ratio`, :class:`Comparison`), not by each side's own median.
+
+    ``warmup``: first run each side once, in order, untimed, with ``rounds`` as the index (a seed
+    no timed round uses); its result is not returned, so a side that needs it (how many steps a
+    warm-up epoch took) tells its warm-up by that index. Leave it out when the caller warms up
+    its own way. ``after_round(round_index, results)`` is called after every round, between
+    rounds, with the results so far (one list per side): to log, to check what the round
+    returned, or to move a progress bar; when it returns True the rounds stop there (a result
+    already wrong needs no more timing).
+    """
+    sides = list(sides)
+    if not sides:
+        raise ValueError("interleaved_rounds needs at least one side")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if warmup:
+        for side in sides:
+            side(rounds)
+    results: list[list[_T]] = [[] for _ in sides]
+    for round_index in range(rounds):
+        order = range(len(sides)) if round_index % 2 == 0 else reversed(range(len(sides)))
+        for index in order:
+            results[index].append(sides[index](round_index))
+        if after_round is not None and after_round(round_index, results) is True:
+            break
+    return results
+
+
+def _check_counts(count: int, name: str, warmup: int, min_sample_s: float) -> None:
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{name} must be a positive integer, got {count!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
     if not min_sample_s > 0:
         raise ValueError(f"min_sample_s must be positive, got {min_sample_s!r}")
+
+
+def _renamed_keyword(function: str, old: str, new: str, value: int) -> int:
+    """``value``, given under the keyword's old name: accepted for one release, with a warning naming the new one."""
+    warnings.warn(
+        f"{function}({old}=...) is deprecated and will be removed in the next release: use {function}({new}=...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return value
 
 
 def benchmark(
@@ -175,15 +253,21 @@ def benchmark(
     *,
     label: str | None = None,
     device: str | torch.device | None = None,
-    repeats: int = 20,
+    samples: int = 20,
     warmup: int = 3,
     min_sample_s: float = 2e-3,
+    repeats: int | None = None,
 ) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` synchronized samples."""
-    _check_counts(repeats, warmup, min_sample_s)
+    """Time ``fn()``: ``warmup`` untimed calls, then ``samples`` synchronized samples.
+
+    ``repeats`` is the old name of ``samples``, accepted for one release with a ``DeprecationWarning``.
+    """
+    if repeats is not None:
+        samples = _renamed_keyword("benchmark", "repeats", "samples", repeats)
+    _check_counts(samples, "samples", warmup, min_sample_s)
     device = pick_device(device)
     sampler = _Sampler(fn, device, warmup, min_sample_s)
-    times = tuple(sampler.sample() for _ in range(repeats))
+    times = tuple(sampler.sample() for _ in range(samples))
     return Timing(
         label=label or getattr(fn, "__name__", "fn"),
         times=times,
@@ -216,6 +300,15 @@ def median_confidence_interval(values: list[float], confidence: float = 0.95) ->
             f"{n} values are too few for a {confidence:.0%} interval on the median; use at least {smallest}"
         )
     return ordered[k - 1], ordered[n - k]
+
+
+def median_ratio(numerators: Iterable[float], denominators: Iterable[float]) -> float:
+    """The median over rounds of ``numerator / denominator``, both measured in the same round.
+
+    A ratio of neighbours cancels whatever drifted between rounds; the ratio of two medians
+    would not. :class:`Comparison` adds the confidence interval for times.
+    """
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
 
 NEGLIGIBLE_CHANGE = 0.02
@@ -265,19 +358,20 @@ class Comparison:
             f"{self.verdict})"
         )
 
-    def _repr_html_(self) -> str:
+    def _table(self) -> Table:
         low, high = self.interval
-        rows = "".join(
-            f"<tr><td>{html.escape(t.label)}</td><td>{format_seconds(t.median)}</td>"
-            f"<td>{format_seconds(t.iqr)}</td><td>{format_seconds(t.p95)}</td></tr>"
+        rows = [
+            (t.label, format_seconds(t.median), format_seconds(t.iqr), format_seconds(t.p95))
             for t in (self.baseline, self.candidate)
+        ]
+        caption = (
+            f"speedup {self.speedup:.2f}x ({self.confidence:.0%} CI {low:.2f}x-{high:.2f}x, "
+            f"{len(self.ratios)} interleaved rounds on {self.baseline.device}): {self.verdict}"
         )
-        return (
-            "<table><tr><th>what</th><th>median</th><th>IQR</th><th>p95</th></tr>"
-            f"{rows}</table><p><b>speedup {self.speedup:.2f}x</b> ({self.confidence:.0%} CI {low:.2f}x&ndash;"
-            f"{high:.2f}x, {len(self.ratios)} interleaved rounds on {html.escape(self.baseline.device)}): "
-            f"{html.escape(self.verdict)}</p>"
-        )
+        return Table(("what", "median", "IQR", "p95"), rows, caption=caption, numeric=(1, 2, 3))
+
+    def _repr_html_(self) -> str:
+        return self._table()._repr_html_()
 
 
 def compare(
@@ -286,25 +380,28 @@ def compare(
     *,
     labels: tuple[str, str] = ("baseline", "candidate"),
     device: str | torch.device | None = None,
-    repeats: int = 21,
+    rounds: int = 21,
     warmup: int = 3,
     min_sample_s: float = 2e-3,
     confidence: float = 0.95,
+    repeats: int | None = None,
 ) -> Comparison:
     """Time two functions in alternating order (AB, BA, AB...), in one run, and compare them.
 
     Interleaving matters: timing A for a minute and then B for a minute lets anything that
-    changes in between (clock boost, another process, a warm cache) pass for a speedup.
+    changes in between (clock boost, another process, a warm cache) pass for a speedup. Each
+    function gets ``warmup`` untimed calls first; then each of the ``rounds`` takes one sample of
+    each (:func:`interleaved_rounds`). ``repeats`` is the old name of ``rounds``, accepted for one
+    release with a ``DeprecationWarning``.
     """
-    _check_counts(repeats, warmup, min_sample_s)
-    median_confidence_interval([1.0] * repeats, confidence)  # fail now, not after the timing
+    if repeats is not None:
+        rounds = _renamed_keyword("compare", "repeats", "rounds", repeats)
+    _check_counts(rounds, "rounds", warmup, min_sample_s)
+    median_confidence_interval([1.0] * rounds, confidence)  # fail now, not after the timing
     device = pick_device(device)
     samplers = [_Sampler(fn, device, warmup, min_sample_s) for fn in (baseline, candidate)]
-    times: list[list[float]] = [[], []]
-    for round_index in range(repeats):
-        order = (0, 1) if round_index % 2 == 0 else (1, 0)
-        for side in order:
-            times[side].append(samplers[side].sample())
+    # The samplers warmed up as they were made: no second warm-up here.
+    times = interleaved_rounds([lambda _, s=sampler: s.sample() for sampler in samplers], rounds, warmup=False)
     timings = [
         Timing(
             label=label,

@@ -1,19 +1,30 @@
 """The capstone's measurements: the course's benchmark, and the grader that re-measures a submission.
 
-    >>> from perflab.capstone import benchmark_capstone, grade
-    >>> benchmark_capstone()      # baseline, reference optimized pipeline and compute ceiling, side by side
-    >>> grade(my_config)          # a learner's TrainConfig against the course's baseline, in a fresh process
-    CapstoneGrade(PASS: 3.52x median speedup (90% CI 3.41x-3.60x, 5 interleaved rounds); ...)
+    >>> from perflab.capstone import COURSE_WORKLOAD, MIN_SPEEDUP, ceiling_of, measure_submission
+    >>> from perflab.train import OPTIMIZED
+    >>> COURSE_WORKLOAD.train_samples, COURSE_WORKLOAD.epochs, MIN_SPEEDUP   # what is trained, what passes
+    (5000, 6, 2.0)
+    >>> ceiling_of(OPTIMIZED).pipeline       # the same step on batches already in memory: the compute ceiling
+    'memory'
+    >>> measure_submission(ceiling_of(OPTIMIZED))   # not a way to train: refused before anything is timed
+    CapstoneGrade(FAIL (pipeline='memory' steps on a few cached batches over and over: ...): not measured)
+
+The benchmark and the grader each take minutes on a laptop, training the course's workload in
+full, so they are shown here, not run::
+
+    benchmark_capstone()   # baseline, reference optimized pipeline and compute ceiling, side by side
+    grade(my_config)       # a learner's TrainConfig against the course's baseline, in a fresh process
 
 Both time each configuration on one-epoch trials in alternating order after a warm-up epoch,
 so that whatever drifts during the run (clock boost, a busy neighbour) hits every side alike,
 and both take accuracy from full runs of the course's :class:`~perflab.train.Workload`.
+
+Used in: lab 09.
 """
 
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import statistics
 import subprocess
@@ -25,12 +36,33 @@ import torch
 from tqdm.auto import tqdm
 
 import perflab
-from perflab.bench import Comparison, Timing
+from perflab.bench import Comparison, Timing, interleaved_rounds, median_ratio
 from perflab.device import device_name, pick_device
 from perflab.grading.answers import train_config
 from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, noise_problems
+from perflab.render import Environment, Markup, Table
 from perflab.train import NAIVE, OPTIMIZED, TrainConfig, Workload, train
-from perflab.train_result import TrainResult, environment
+from perflab.train_result import TrainResult
+
+__all__ = [
+    "ACCURACY_TOLERANCE",
+    "BENCHMARK_ROUNDS",
+    "CONFIDENCE",
+    "COURSE_WORKLOAD",
+    "CapstoneBenchmark",
+    "CapstoneGrade",
+    "MIN_SPEEDUP",
+    "TRIAL_ROUNDS",
+    "baseline_accuracy",
+    "benchmark_capstone",
+    "ceiling_of",
+    "grade",
+    "grade_from_stdin",
+    "measure_speeds",
+    "measure_submission",
+    "refusal",
+    "speedup_of",
+]
 
 COURSE_WORKLOAD = Workload()
 MIN_SPEEDUP = 2.0
@@ -50,7 +82,7 @@ def ceiling_of(config: TrainConfig) -> TrainConfig:
     return replace(config, name=f"{config.name} ceiling", pipeline="memory")
 
 
-def interleaved_trials(
+def _interleaved_trials(
     runs: list[tuple[TrainConfig, Workload]],
     *,
     rounds: int = TRIAL_ROUNDS,
@@ -65,36 +97,36 @@ def interleaved_trials(
     """
     trials = [(config, replace(workload, epochs=1)) for config, workload in runs]
     bar = tqdm(total=len(trials) * (rounds + 1), desc="interleaved trials", unit="epoch", disable=not progress)
-    for config, workload in trials:
-        train(
-            config, workload, device=device, progress=False, max_steps=max_steps
-        )  # warm-up: caches, allocator, compilation
-        bar.update()
-    results: list[list[TrainResult]] = [[] for _ in runs]
-    for round_index in range(rounds):
-        order = range(len(trials)) if round_index % 2 == 0 else reversed(range(len(trials)))
-        for side in order:
-            results[side].append(train(*trials[side], device=device, progress=False, max_steps=max_steps))
+
+    def trial(config: TrainConfig, workload: Workload):
+        def run(_round_index: int) -> TrainResult:  # the warm-up too: caches, allocator, compilation
+            result = train(config, workload, device=device, progress=False, max_steps=max_steps)
             bar.update()
-        if log:
-            log(
-                f"round {round_index + 1}/{rounds}: "
-                + ", ".join(
-                    f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)
-                )
+            return result
+
+        return run
+
+    def log_round(round_index: int, results: list[list[TrainResult]]) -> None:
+        log(
+            f"round {round_index + 1}/{rounds}: "
+            + ", ".join(
+                f"{config.name} {side[-1].samples_per_s:,.0f} samples/s" for (config, _), side in zip(runs, results)
             )
+        )
+
+    results = interleaved_rounds([trial(*pair) for pair in trials], rounds, after_round=log_round if log else None)
     bar.close()
     return results
 
 
-def per_sample_timing(label: str, results: list[TrainResult]) -> Timing:
+def _per_sample_timing(label: str, results: list[TrainResult]) -> Timing:
     """Seconds per training sample of each trial, as a :class:`~perflab.bench.Timing`."""
-    env = results[0].environment
+    measured_on = results[0].environment
     return Timing(
         label=label,
         times=tuple(r.train_s / r.samples for r in results),
-        device=env["device"],
-        num_threads=env["threads"],
+        device=measured_on.device,
+        num_threads=measured_on.threads,
     )
 
 
@@ -109,7 +141,7 @@ class CapstoneBenchmark:
     names: tuple[str, ...]  # baseline, optimized, ceiling
     samples_per_s: tuple[tuple[float, ...], ...]  # per name, one per interleaved round
     accuracies: tuple[float | None, ...]  # from a full run; None for the ceiling, which repeats a few batches
-    environment: dict
+    environment: Environment
 
     @property
     def speedup(self) -> Comparison:
@@ -121,34 +153,33 @@ class CapstoneBenchmark:
     @property
     def ceiling_share(self) -> float:
         """Median over rounds of optimized samples/s over ceiling samples/s in the same round."""
-        return statistics.median(o / c for o, c in zip(self.samples_per_s[1], self.samples_per_s[2]))
+        return median_ratio(self.samples_per_s[1], self.samples_per_s[2])
 
-    def _rows(self) -> list[tuple[str, str, str, str]]:
+    def _table(self) -> Table:
         """Median samples/s, and the median of per-round ratios to the baseline, as ``speedup`` takes it."""
         baseline = self.samples_per_s[0]
-        return [
+        rows = [
             (
                 name,
                 f"{statistics.median(side):,.0f}",
-                f"{statistics.median(rate / base for rate, base in zip(side, baseline)):.2f}x",
+                f"{median_ratio(side, baseline):.2f}x",
                 "-" if accuracy is None else f"{accuracy:.1%}",
             )
             for name, side, accuracy in zip(self.names, self.samples_per_s, self.accuracies)
         ]
-
-    def __str__(self) -> str:
         speedup = self.speedup
         low, high = speedup.interval
-        lines = [f"{'configuration':<20}{'samples/s':>12}{'vs baseline':>14}{'val accuracy':>15}"]
-        lines += [f"{name:<20}{rate:>12}{ratio:>14}{accuracy:>15}" for name, rate, ratio, accuracy in self._rows()]
-        lines += [
-            f"optimized reaches {self.ceiling_share:.0%} of its compute ceiling",
-            f"{len(self.samples_per_s[0])} interleaved rounds of one epoch each on {self.environment['device_name']} "
-            f"({self.environment['device']}, {self.environment['threads']} threads), torch {self.environment['torch']}; "
-            f"speedup {CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x",
-            f"speedup {speedup.speedup:.2f}x",
-        ]
-        return "\n".join(lines)
+        caption = (
+            f"optimized reaches {self.ceiling_share:.0%} of its compute ceiling\n"
+            f"{len(baseline)} interleaved rounds of one epoch each on {self.environment}; "
+            f"speedup {CONFIDENCE:.0%} CI {low:.2f}x-{high:.2f}x\n"
+            f"speedup {speedup.speedup:.2f}x"
+        )
+        header = ("configuration", "samples/s", "vs baseline", "val accuracy")
+        return Table(header, rows, caption=caption, numeric=(1, 2, 3))
+
+    def __str__(self) -> str:
+        return str(self._table())
 
     def __repr__(self) -> str:
         return f"CapstoneBenchmark(speedup {self.speedup.speedup:.2f}x, {self.ceiling_share:.0%} of ceiling)"
@@ -166,14 +197,14 @@ def benchmark_capstone(
     accuracies = []
     for config in configs[:2]:
         accuracies.append(train(config, COURSE_WORKLOAD, device=device, progress=progress).val_accuracy)
-    trials = interleaved_trials(
+    trials = _interleaved_trials(
         [(config, COURSE_WORKLOAD) for config in configs], rounds=rounds, device=device, progress=progress
     )
     return CapstoneBenchmark(
         names=tuple(config.name for config in configs),
         samples_per_s=tuple(tuple(r.samples_per_s for r in side) for side in trials),
         accuracies=(*accuracies, None),
-        environment=environment(device),
+        environment=Environment.capture(device),
     )
 
 
@@ -190,7 +221,7 @@ class CapstoneGrade:
     baseline_accuracy: float | None  # None when no full run was needed to fail the submission
     candidate_accuracy: float | None
     config: dict
-    environment: dict
+    environment: Environment
 
     @property
     def passed(self) -> bool:
@@ -214,12 +245,9 @@ class CapstoneGrade:
 
     def _repr_html_(self) -> str:
         colour = {"pass": "green", "fail": "darkred"}.get(self.status, "darkorange")
-        reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in self.reasons)
-        return (
-            f"<p><b style='color:{colour}'>{self.status.upper()}</b>: {html.escape(self._summary())}</p>"
-            f"<ul>{reasons}</ul><p><small>re-measured on {html.escape(self.environment.get('device_name', '?'))}, "
-            f"torch {html.escape(self.environment.get('torch', '?'))}</small></p>"
-        )
+        verdict = Markup(self.status.upper(), f"<b style='color:{colour}'>{self.status.upper()}</b>")
+        rows = [("verdict", verdict), ("measured", self._summary()), *(("why", reason) for reason in self.reasons)]
+        return Table((), rows, caption=f"re-measured on {self.environment}")._repr_html_()
 
 
 def refusal(config: TrainConfig) -> str | None:
@@ -237,7 +265,7 @@ def measure_speeds(
 ) -> tuple[list[list[TrainResult]], LoadMeter]:
     """Interleaved one-epoch trials of ``configs`` on the course's workload, and the load beside them."""
     with LoadMeter() as load:
-        trials = interleaved_trials(
+        trials = _interleaved_trials(
             [(config, COURSE_WORKLOAD) for config in configs],
             rounds=rounds,
             device=device,
@@ -251,7 +279,7 @@ def measure_speeds(
 
 def speedup_of(baseline: list[TrainResult], candidate: list[TrainResult], label: str) -> Comparison:
     return Comparison(
-        per_sample_timing("baseline", baseline), per_sample_timing(label, candidate), confidence=CONFIDENCE
+        _per_sample_timing("baseline", baseline), _per_sample_timing(label, candidate), confidence=CONFIDENCE
     )
 
 
@@ -301,7 +329,7 @@ def measure_submission(
         baseline_accuracy=None,
         candidate_accuracy=None,
         config=asdict(config),
-        environment=environment(device),
+        environment=Environment.capture(device),
     )
     if refusal(config):
         return CapstoneGrade(status="fail", reasons=(refusal(config),), **not_measured)
@@ -347,7 +375,7 @@ def measure_submission(
         baseline_accuracy=accuracies[0],
         candidate_accuracy=accuracies[1],
         config=asdict(config),
-        environment=environment(device),
+        environment=Environment.capture(device),
     )
 
 
@@ -387,6 +415,7 @@ def grade(config: TrainConfig, *, timeout_s: float = 900) -> CapstoneGrade:
     fields = json.loads(output.strip().splitlines()[-1])
     fields["reasons"] = tuple(fields["reasons"])
     fields["interval"] = tuple(fields["interval"]) if fields["interval"] else None
+    fields["environment"] = Environment.from_dict(fields["environment"])
     return CapstoneGrade(**fields)
 
 

@@ -1,13 +1,36 @@
 """How close an input pipeline comes to its compute ceiling: the same step on batches already in memory.
 
+    >>> import torch
+    >>> import torch.nn.functional as F
     >>> from perflab.ceiling import measure_against_ceiling
+    >>> from perflab.data import make_image_folder
+    >>> from perflab.models import ResNet, ResNetConfig
+    >>> from perflab.pipeline import CachedImages, cached_batches, pil_loader, to_model_input
+    >>> from perflab.plots import ceiling_chart
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> cache, model = CachedImages(data.train, progress=False), ResNet(ResNetConfig(num_classes=3))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    >>> def step(images, labels):        # one training step on one batch, whichever pipeline made it
+    ...     images = to_model_input(images) if images.dtype == torch.uint8 else images
+    ...     F.cross_entropy(model(images), labels).backward()
+    ...     optimizer.step()
+    ...     optimizer.zero_grad()
+    >>> ceiling_batches = list(cached_batches(cache, batch_size=20, seed=0))   # ready before the clock starts
     >>> measured = measure_against_ceiling(
-    ...     {"per-sample PIL": lambda seed: pil_loader(data.train, batch_size=64, seed=seed),
-    ...      "decoded once": lambda seed: cached_batches(cache, batch_size=64, seed=seed)},
-    ...     step, ceiling_batches, rounds=5)
-    >>> measured                         # samples/s of each pipeline and of the ceiling, share of the ceiling
-    >>> measured.share("decoded once")   # median over rounds of (pipeline samples/s) / (ceiling samples/s)
-    >>> measure_against_ceiling({"mine": my_epoch}, step, ceiling_batches, interleave="steps")  # CPU: step by step
+    ...     {"per-sample PIL": lambda seed: pil_loader(data.train, batch_size=20, seed=seed),
+    ...      "decoded once": lambda seed: cached_batches(cache, batch_size=20, seed=seed)},
+    ...     step, ceiling_batches, rounds=3)
+    >>> measured                         # each pipeline's share of the ceiling, and the ceiling's samples/s
+    CeilingMeasurement(per-sample PIL ...%, decoded once ...% of a ceiling of ... samples/s)
+    >>> print(f"decoded once: {measured.share('decoded once'):.0%} of the ceiling")   # median of per-round ratios
+    decoded once: ...% of the ceiling
+    >>> measured.rounds, measured.samples_per_epoch("decoded once")
+    (3, 60)
+    >>> ceiling_chart(measured)          # perflab.plots: samples/s of each pipeline, the ceiling as a line
+    <Figure size ... with 1 Axes>
+    >>> decoded_once = {"decoded once": lambda seed: cached_batches(cache, batch_size=20, seed=seed)}
+    >>> measure_against_ceiling(decoded_once, step, ceiling_batches, rounds=3, interleave="steps")   # CPU only
+    CeilingMeasurement(decoded once ...% of a ceiling of ... samples/s)
 
 A pipeline is a function ``epoch(seed)`` returning an iterable of ``(images, labels)`` batches;
 ``step(images, labels)`` trains on one batch (moving it to the device is its job). The ceiling
@@ -17,11 +40,12 @@ alternating order, so that whatever slows the machine down during the run (anoth
 clock changes) hits both sides of each ratio alike; the share is the median of the per-round
 ratios. Starting an epoch's iterator is inside the clock: a ``DataLoader`` starts its workers
 there, as it does in training.
+
+Used in: lecture 03 (data loading), lab 03.
 """
 
 from __future__ import annotations
 
-import html
 import itertools
 import statistics
 import time
@@ -32,10 +56,13 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
+from perflab.bench import interleaved_rounds, median_ratio
 from perflab.device import pick_device, synchronize
-from perflab.train_result import environment
+from perflab.render import Environment, Table
 
-Batch = Sequence[torch.Tensor]
+__all__ = ["CEILING", "CeilingMeasurement", "Epoch", "measure_against_ceiling", "time_epoch"]
+
+_Batch = Sequence[torch.Tensor]
 CEILING = "ceiling"
 
 
@@ -54,7 +81,7 @@ class Epoch:
 
 
 def time_epoch(
-    batches: Callable[[], Iterable[Batch]],
+    batches: Callable[[], Iterable[_Batch]],
     step: Callable[..., object],
     device: torch.device,
     max_steps: int | None = None,
@@ -85,7 +112,7 @@ class CeilingMeasurement:
     epochs: Mapping[str, tuple[Epoch, ...]]
     ceilings: Mapping[str, tuple[Epoch, ...]]  # the ceiling's epoch each pipeline epoch is compared with
     interleave: str
-    environment: dict
+    environment: Environment
 
     def samples_per_s(self, name: str) -> float:
         """Median over rounds; ``CEILING`` for the ceiling."""
@@ -94,8 +121,9 @@ class CeilingMeasurement:
 
     def share(self, name: str) -> float:
         """Median over rounds of the pipeline's samples/s over the ceiling's in the same round."""
-        return statistics.median(
-            p.samples_per_s / c.samples_per_s for p, c in zip(self.epochs[name], self.ceilings[name])
+        return median_ratio(
+            (epoch.samples_per_s for epoch in self.epochs[name]),
+            (epoch.samples_per_s for epoch in self.ceilings[name]),
         )
 
     def waiting_share(self, name: str) -> float:
@@ -113,42 +141,33 @@ class CeilingMeasurement:
         unique = {id(epoch): epoch for side in self.ceilings.values() for epoch in side}
         return list(unique.values())
 
-    def _rows(self) -> list[tuple[str, str, str, str]]:
+    @property
+    def caption(self) -> str:
+        unit = "step by step" if self.interleave == "steps" else "epoch by epoch"
+        return f"median of {self.rounds} rounds interleaved {unit} on {self.environment}"
+
+    def _table(self) -> Table:
         rows = [
             (name, f"{self.samples_per_s(name):,.0f}", f"{self.share(name):.0%}", f"{self.waiting_share(name):.0%}")
             for name in self.names
         ]
-        return [*rows, (CEILING, f"{self.samples_per_s(CEILING):,.0f}", "100%", "0%")]
-
-    @property
-    def caption(self) -> str:
-        env = self.environment
-        unit = "step by step" if self.interleave == "steps" else "epoch by epoch"
-        return (
-            f"median of {self.rounds} rounds interleaved {unit} on {env['device_name']} ({env['device']}, "
-            f"{env['threads']} threads), torch {env['torch']}"
-        )
+        rows.append((CEILING, f"{self.samples_per_s(CEILING):,.0f}", "100%", "0%"))
+        header = ("pipeline", "samples/s", "of ceiling", "waiting for data")
+        return Table(header, rows, caption=self.caption, numeric=(1, 2, 3))
 
     def __str__(self) -> str:
-        width = max(len(name) for name in self.names) + 2
-        lines = [f"{'pipeline':<{width}}{'samples/s':>11}{'of ceiling':>12}{'waiting for data':>18}"]
-        lines += [f"{name:<{width}}{rate:>11}{share:>12}{wait:>18}" for name, rate, share, wait in self._rows()]
-        return "\n".join([*lines, self.caption])
+        return str(self._table())
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{name} {self.share(name):.0%}" for name in self.names)
         return f"CeilingMeasurement({shares} of a ceiling of {self.samples_per_s(CEILING):,.0f} samples/s)"
 
     def _repr_html_(self) -> str:
-        head = "<tr><th>pipeline</th><th>samples/s</th><th>of ceiling</th><th>waiting for data</th></tr>"
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
-        )
-        return f"<table>{head}{body}</table><p><small>{html.escape(self.caption)}</small></p>"
+        return self._table()._repr_html_()
 
 
-def paired_epoch(
-    batches: Callable[[], Iterable[Batch]], step: Callable[..., object], ceiling: Iterator[Batch]
+def _paired_epoch(
+    batches: Callable[[], Iterable[_Batch]], step: Callable[..., object], ceiling: Iterator[_Batch]
 ) -> tuple[Epoch, Epoch]:
     """One epoch of ``batches()``, each of its steps followed by a step on the next ``ceiling`` batch (CPU only).
 
@@ -181,9 +200,9 @@ def paired_epoch(
 
 
 def measure_against_ceiling(
-    pipelines: Mapping[str, Callable[[int], Iterable[Batch]]],
+    pipelines: Mapping[str, Callable[[int], Iterable[_Batch]]],
     step: Callable[..., object],
-    ceiling_batches: Sequence[Batch],
+    ceiling_batches: Sequence[_Batch],
     *,
     rounds: int = 5,
     max_steps: int | None = None,
@@ -229,43 +248,51 @@ def measure_against_ceiling(
         return epoch
 
     def run_paired(name: str, seed: int) -> tuple[Epoch, Epoch]:
-        pair = paired_epoch(
+        pair = _paired_epoch(
             lambda: itertools.islice(pipelines[name](seed), max_steps), step, itertools.cycle(ceiling_batches)
         )
         bar.update()
         return pair
 
-    epochs: dict[str, list[Epoch]] = {name: [] for name in pipelines}
-    ceilings: dict[str, list[Epoch]] = {name: [] for name in pipelines}
+    def paired_side(name: str) -> Callable[[int], tuple[Epoch, Epoch]]:
+        def run(round_index: int) -> tuple[Epoch, Epoch]:
+            pair = run_paired(name, seed=round_index)
+            if round_index == rounds and pair[0].steps == 0:  # the warm-up
+                raise ValueError(f"pipeline {name!r} gave no batch")
+            return pair
+
+        return run
+
+    def pipeline_side(name: str) -> Callable[[int], Epoch]:
+        def run(round_index: int) -> Epoch:
+            nonlocal ceiling_steps
+            epoch = run_epoch(name, seed=round_index)
+            if round_index == rounds:  # the warm-up: first calls, allocator, caches, files in the page cache
+                if epoch.steps == 0:
+                    raise ValueError(f"pipeline {name!r} gave no batch")
+                ceiling_steps = ceiling_steps or epoch.steps  # the first pipeline's, before the ceiling's warm-up
+            return epoch
+
+        return run
+
+    epochs: dict[str, list[Epoch]] = {}
+    ceilings: dict[str, list[Epoch]] = {}
     if interleave == "steps":
-        for name in pipelines:
-            if run_paired(name, seed=rounds)[0].steps == 0:  # warm-up
-                raise ValueError(f"pipeline {name!r} gave no batch")
-        for round_index in range(rounds):
-            for name in pipelines if round_index % 2 == 0 else reversed(list(pipelines)):
-                pipeline_epoch, ceiling_epoch = run_paired(name, seed=round_index)
-                epochs[name].append(pipeline_epoch)
-                ceilings[name].append(ceiling_epoch)
+        for name, side in zip(pipelines, interleaved_rounds([paired_side(name) for name in pipelines], rounds)):
+            epochs[name] = [pipeline_epoch for pipeline_epoch, _ in side]
+            ceilings[name] = [ceiling_epoch for _, ceiling_epoch in side]
     else:
-        for name in pipelines:  # warm-up: first calls, allocator, caches, files in the page cache
-            steps = run_epoch(name, seed=rounds).steps
-            if steps == 0:
-                raise ValueError(f"pipeline {name!r} gave no batch")
-            ceiling_steps = ceiling_steps or steps
-        run_epoch(CEILING, seed=rounds)
-        names = (*pipelines, CEILING)
-        for round_index in range(rounds):
-            measured = {
-                name: run_epoch(name, seed=round_index) for name in (names if round_index % 2 == 0 else names[::-1])
-            }
-            for name in pipelines:
-                epochs[name].append(measured[name])
-                ceilings[name].append(measured[CEILING])
+        *sides, ceiling_side = interleaved_rounds(
+            [*(pipeline_side(name) for name in pipelines), lambda round_index: run_epoch(CEILING, seed=round_index)],
+            rounds,
+        )
+        for name, side in zip(pipelines, sides):
+            epochs[name], ceilings[name] = side, ceiling_side
     bar.close()
     return CeilingMeasurement(
         tuple(pipelines),
         {name: tuple(side) for name, side in epochs.items()},
         {name: tuple(side) for name, side in ceilings.items()},
         interleave,
-        environment(device),
+        Environment.capture(device),
     )

@@ -1,39 +1,66 @@
 """What ``torch.compile`` made of a function: its graphs and breaks, its kernels, and whether compiling paid.
 
+    >>> import torch
+    >>> import torch.nn.functional as F
     >>> from perflab.compiling import compile_cost, generated_code, graph_breaks
+    >>> from perflab.plots import break_even_chart
+    >>> def block(x):
+    ...     y = F.gelu(x) * 2 + 1
+    ...     peak = y.abs().amax().item()              # a Python number: Dynamo stops the graph here
+    ...     return y / peak
+    >>> x = torch.randn(256, 256)
     >>> graph_breaks(block, x)                       # Dynamo only: traces, generates no code
-    GraphBreaks(2 graphs, 1 break, 9 operations)
-      1. forward, line 4: Unsupported Tensor.item() call with capture_scalar_outputs=False
-           peak = y.abs().amax().item()
-    >>> compiled = torch.compile(block)
-    >>> compile_cost(lambda: block(x), lambda: compiled(x))      # the first call compiles, then both are timed
-    CompileCost(compiled vs eager: first call 9.1 s (1 graph), then 4.70 ms vs 14.3 ms per call (3.04x); ...)
+    GraphBreaks(2 graphs, 1 break, 4 operations)
+      1. block, line 3: Unsupported Tensor.item() call with capture_scalar_outputs=False
+         peak = y.abs().amax().item()              # a Python number: Dynamo stops the graph here
+    >>> def chain(x):
+    ...     return F.gelu(x) * 2 + 1
+    >>> compiled = torch.compile(chain)
+    >>> cost = compile_cost(lambda: chain(x), lambda: compiled(x))   # the first call compiles, then both are timed
+    >>> cost
+    CompileCost(compiled vs eager: first call ... (1 graph), then ... vs ... per call (...x); ...)
+    >>> break_even_chart({"chain": cost}, caption="a GELU chain on 256 x 256")   # perflab.plots: when it pays
+    <Figure size ... with 1 Axes>
     >>> generated_code(compiled, x)                  # compiles again and keeps the code Inductor wrote
-    GeneratedCode(1 module written in 88 ms; 1 generated kernel)
               runs, in order
-    module 1  cpp_fused_add_gelu_mul_sigmoid_0
+    module 1  cpp_fused_add_gelu_mul_0
+    1 module written in ...; 1 generated kernel
+
+The first compile of a session takes seconds (Inductor writes and builds C++ on a CPU, Triton
+kernels on a GPU); Inductor's on-disk cache makes the same graph quicker to compile next time.
 
 ``graph_breaks`` and ``generated_code`` rely on private functions: ``torch._dynamo.explain``,
 which PyTorch's troubleshooting documentation uses, and ``torch._inductor.utils.run_and_get_code``,
 which its own tests use. Both reset Dynamo first, which drops every compiled function's cached
 code (the next call compiles again, helped by Inductor's on-disk cache).
+
+Used in: lecture 06 (compile), lab 06.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from perflab.bench import NEGLIGIBLE_CHANGE, Comparison, compare, format_seconds, median_confidence_interval, time_call
 from perflab.device import pick_device
-from perflab.tables import text_table
+from perflab.render import Table
+
+__all__ = [
+    "CompileCost",
+    "GeneratedCode",
+    "GraphBreak",
+    "GraphBreaks",
+    "compile_cost",
+    "generated_code",
+    "graph_breaks",
+]
 
 # Dynamo names the code that resumes after a break "torch_dynamo_resume_in_<function>_at_<line>".
 _RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+?)_at_\d+")
@@ -69,20 +96,15 @@ class GraphBreaks:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{index}</td><td>{html.escape(found.function)}</td><td>{found.lineno}</td>"
-            f"<td><code>{html.escape(found.line)}</code></td><td>{html.escape(found.reason)}</td></tr>"
+        rows = [
+            (index, found.function, found.lineno, found.line, found.reason)
             for index, found in enumerate(self.breaks, 1)
+        ]
+        caption = (
+            f"{_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'graph break')}, "
+            f"{_plural(self.operations, 'operation')} captured"
         )
-        table = (
-            (f"<table><tr><th>#</th><th>function</th><th>line</th><th>code</th><th>reason</th></tr>{rows}</table>")
-            if self.breaks
-            else ""
-        )
-        return (
-            f"<p><b>{_plural(self.graphs, 'graph')}, {_plural(len(self.breaks), 'graph break')}</b>, "
-            f"{_plural(self.operations, 'operation')} captured</p>{table}"
-        )
+        return Table(("#", "function", "line", "code", "reason"), rows, caption=caption)._repr_html_()
 
 
 def _plural(count: int, noun: str) -> str:
@@ -157,7 +179,8 @@ class CompileCost:
         return f"CompileCost({self.comparison.candidate.label} vs {self.comparison.baseline.label}: {self._summary()})"
 
     def _repr_html_(self) -> str:
-        return f"{self.comparison._repr_html_()}<p>{html.escape(self._summary())}</p>"
+        timings = self.comparison._table()
+        return replace(timings, caption=f"{timings.caption}\n{self._summary()}")._repr_html_()
 
 
 def compile_cost(
@@ -166,7 +189,7 @@ def compile_cost(
     *,
     labels: tuple[str, str] = ("eager", "compiled"),
     device: str | torch.device | None = None,
-    repeats: int = 11,
+    rounds: int = 11,
     warmup: int = 2,
 ) -> CompileCost:
     """Time ``compiled()``'s first call, which must compile, then compare it with ``eager()``, interleaved.
@@ -174,7 +197,7 @@ def compile_cost(
     ``compiled`` calls a ``torch.compile``d function that has not run on these shapes yet; the
     first call here is what a training run pays before its first step.
     """
-    median_confidence_interval([1.0] * repeats)  # too few repeats: fail now, not after compiling
+    median_confidence_interval([1.0] * rounds)  # too few rounds: fail now, not after compiling
     device = pick_device(device)
     before = _graphs_compiled()
     first_call = time_call(compiled, device)
@@ -184,7 +207,7 @@ def compile_cost(
             "the first call compiled nothing: the compiled function had already run on these shapes "
             "(call torch.compiler.reset() to start afresh)"
         )
-    comparison = compare(eager, compiled, labels=labels, device=device, repeats=repeats, warmup=warmup)
+    comparison = compare(eager, compiled, labels=labels, device=device, rounds=rounds, warmup=warmup)
     return CompileCost(first_call=first_call, graphs=graphs, comparison=comparison)
 
 
@@ -236,10 +259,11 @@ class GeneratedCode:
 
     def __repr__(self) -> str:
         rows = [(f"module {index}", ", ".join(names) or "(nothing)") for index, names in enumerate(self.launches, 1)]
-        return (
-            f"GeneratedCode({_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
-            f"{_plural(len(self.kernels), 'generated kernel')})\n" + text_table(("", "runs, in order"), rows)
+        caption = (
+            f"{_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
+            f"{_plural(len(self.kernels), 'generated kernel')}"
         )
+        return str(Table(("", "runs, in order"), rows, caption=caption))
 
 
 def generated_code(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> GeneratedCode:

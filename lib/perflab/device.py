@@ -1,16 +1,19 @@
 """Which device to run on, how to wait for it, and where a program waits for it.
 
-    >>> from perflab.device import pick_device, synchronize, count_syncs
+    >>> import torch
+    >>> from perflab.device import pick_device, synchronize, SyncCounter
     >>> device = pick_device()            # cuda if present, else mps, else cpu
     >>> x = torch.randn(256, 256, device=device)
     >>> y = x @ x                          # on a GPU this only *queues* the matmul
     >>> synchronize(device)                # returns once the queued work has finished
-    >>> with count_syncs() as syncs:
+    >>> with SyncCounter() as syncs:
     ...     loss = y.sum().item()           # .item() makes the host wait for the device
     >>> syncs.total
     1
 
 Set ``PERFLAB_DEVICE=cpu`` (or ``cuda:1``, ``mps``...) to override the automatic choice.
+
+Used in: every notebook, lectures 01-08 and labs 01-09.
 """
 
 from __future__ import annotations
@@ -19,10 +22,21 @@ import functools
 import os
 import platform
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+
+__all__ = [
+    "DEVICE_ENV_VAR",
+    "SyncCount",
+    "SyncCounter",
+    "available_devices",
+    "device_name",
+    "pick_device",
+    "synchronize",
+]
 
 DEVICE_ENV_VAR = "PERFLAB_DEVICE"
 
@@ -95,7 +109,7 @@ def synchronize(device: str | torch.device | None = None) -> None:
 
 # Tensor methods that copy a value to the host, so on an accelerator the host must first wait
 # for every queued kernel that produces it.
-SYNCING_METHODS = (
+_SYNCING_METHODS = (
     "item",
     "tolist",
     "numpy",
@@ -127,7 +141,7 @@ class SyncCount:
         return f"SyncCount({self.total} host-device sync points: {parts})"
 
 
-class count_syncs:
+class SyncCounter:
     """Count the host-device synchronization points that Python code runs.
 
     Works on every device, a CPU included, because it counts *requests* for a value on the
@@ -135,10 +149,14 @@ class count_syncs:
     wait for the accelerator. On a CPU nothing waits, but the same code on a GPU would stall
     at each one. ``torch.cuda.set_sync_debug_mode`` does this on CUDA alone.
 
-        >>> with count_syncs() as syncs:
-        ...     train_steps(100)
-        >>> syncs
-        SyncCount(100 host-device sync points: item x100)
+    >>> import torch
+    >>> weights = torch.randn(8, requires_grad=True)
+    >>> with SyncCounter() as syncs:
+    ...     for step in range(100):
+    ...         loss = (weights * weights).sum()
+    ...         logged = loss.item()               # logging the loss every step: a sync every step
+    >>> syncs
+    SyncCount(100 host-device sync points: item x100)
 
     A call made inside another counted call (``print`` calling ``.tolist()``) counts once.
     Every tensor counts, a CPU tensor too (an optimizer's step counter read with ``.item()``),
@@ -169,8 +187,8 @@ class count_syncs:
 
     def __enter__(self) -> SyncCount:
         if self._originals:
-            raise RuntimeError("this count_syncs() is already counting; make a new one to nest")
-        for name in SYNCING_METHODS:
+            raise RuntimeError("this SyncCounter is already counting; make a new one to nest")
+        for name in _SYNCING_METHODS:
             # None marks a method inherited from the C base class: restored by deleting ours.
             self._originals[name] = torch.Tensor.__dict__.get(name)
             setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
@@ -183,3 +201,13 @@ class count_syncs:
             else:
                 setattr(torch.Tensor, name, original)
         self._originals.clear()
+
+
+def count_syncs() -> SyncCounter:
+    """Deprecated: the old name of :class:`SyncCounter`, kept for one release."""
+    warnings.warn(
+        "count_syncs() was renamed SyncCounter(); the old name goes away in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return SyncCounter()

@@ -1,9 +1,16 @@
 """Data-bound, compute-bound, memory-bound or overhead-bound? Decided from a profile's measurements.
 
-    >>> from perflab.profile import profile_training
     >>> from perflab.diagnose import diagnose
-    >>> diagnose(profile_training(NAIVE, steps=8))
-    Diagnosis(data-bound: data 48%, compute 27%, memory 14%, overhead 11% of the steps' time)
+    >>> from perflab.profiling import profile_training
+    >>> from perflab.train import NAIVE, Workload
+    >>> tiny = Workload(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, epochs=1)
+    >>> diagnosis = diagnose(profile_training(NAIVE, tiny, steps=2))
+    >>> diagnosis                  # the kind and the shares depend on the machine: see perflab.planted
+    Diagnosis(...-bound: data ...%, compute ...%, memory ...%, overhead ...% of the steps' time)
+    >>> list(diagnosis.shares), round(sum(diagnosis.shares.values()), 6)
+    (['data', 'compute', 'memory', 'overhead'], 1.0)
+    >>> diagnosis.operators[0]     # the largest operator: its name, its class, its share of the steps' time
+    ('aten::...', '...', 0...)
 
 The steps' time (the profiled phases: data_wait, h2d, fwd, bwd, opt, log) is split four ways:
 
@@ -19,12 +26,13 @@ The largest share names the bottleneck. Any loop can be diagnosed if it wraps it
 operator classes go by name, which is a heuristic: a matmul on tiny matrices is memory- or
 overhead-bound in truth. So the diagnosis lists the operators behind each share: judge them too.
 ``perflab.planted`` holds one short run of each kind, to see (and test) the diagnosis on.
+
+Used in: lecture 02 (profiling), lab 02, lab 09.
 """
 
 from __future__ import annotations
 
 import bisect
-import html
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,11 +40,14 @@ from dataclasses import dataclass
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
-from perflab.profile import ProfiledRun
+from perflab.profiling import ProfiledRun
+from perflab.render import Table
 from perflab.train_result import PHASES
 
+__all__ = ["Diagnosis", "KINDS", "diagnose"]
+
 KINDS = {"data": "data-bound", "compute": "compute-bound", "memory": "memory-bound", "overhead": "overhead-bound"}
-ADVICE = {
+_ADVICE = {
     "data-bound": "feed it faster: decode once, augment whole batches as tensors, DataLoader workers, "
     "pin_memory with non_blocking copies (chapter 03)",
     "compute-bound": "make the arithmetic cheaper: bf16 or fp16 autocast on tensor cores, TF32, channels_last "
@@ -46,8 +57,8 @@ ADVICE = {
     "overhead-bound": "do more per call: a larger batch, fewer syncs (.item(), print), torch.compile, "
     "CUDA graphs (mode='reduce-overhead') on a GPU (chapters 01 and 06)",
 }
-COMPUTE_OPERATOR = re.compile(r"conv|matmul|linear|attention|^(_int_|add|b|baddb)?mm$|^(addmv|mv|dot)$")
-WORK_PHASES = ("fwd", "bwd", "opt")
+_COMPUTE_OPERATOR = re.compile(r"conv|matmul|linear|attention|^(_int_|add|b|baddb)?mm$|^(addmv|mv|dot)$")
+_WORK_PHASES = ("fwd", "bwd", "opt")
 
 
 @dataclass(frozen=True)
@@ -60,24 +71,26 @@ class Diagnosis:
 
     @property
     def advice(self) -> str:
-        return ADVICE[self.kind]
+        return _ADVICE[self.kind]
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in self.shares.items())
         return f"Diagnosis({self.kind}: {shares} of the steps' time)"
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{name}</th>" for name in self.shares)
-        cells = "".join(f"<td>{share:.0%}</td>" for share in self.shares.values())
-        operators = "".join(
-            f"<tr><td><code>{html.escape(name)}</code></td><td>{kind}</td><td>{share:.1%}</td></tr>"
-            for name, kind, share in self.operators
+        shares = Table(
+            list(self.shares),
+            [[f"{share:.0%}" for share in self.shares.values()]],
+            caption=f"{self.kind}: {self.advice}",
+            numeric=range(len(self.shares)),
         )
-        return (
-            f"<p><b>{self.kind}</b>: {html.escape(self.advice)}</p><table><tr>{head}</tr><tr>{cells}</tr></table>"
-            f"<table><caption>largest operators</caption><tr><th>operator</th><th>class</th><th>share</th></tr>"
-            f"{operators}</table>"
+        operators = Table(
+            ("operator", "class", "share"),
+            [(name, kind, f"{share:.1%}") for name, kind, share in self.operators],
+            caption="largest operators",
+            numeric=(2,),
         )
+        return shares._repr_html_() + operators._repr_html_()
 
 
 def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
@@ -103,12 +116,12 @@ def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
         if not event.name.startswith("aten::") or event.device_type != DeviceType.CPU:
             continue
         index = bisect.bisect_right(starts, event.time_range.start) - 1
-        if index < 0 or event.time_range.start > phases[index][1] or phases[index][2] not in WORK_PHASES:
+        if index < 0 or event.time_range.start > phases[index][1] or phases[index][2] not in _WORK_PHASES:
             continue  # outside fwd / bwd / opt: the input pipeline's tensor ops count as data
         self_us = event.self_device_time_total if on_device else event.self_cpu_time_total
         by_operator[event.name] += self_us / 1e6
     classes = {
-        name: "compute" if COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory" for name in by_operator
+        name: "compute" if _COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory" for name in by_operator
     }
     for name, spent in by_operator.items():
         seconds[classes[name]] += spent

@@ -1,11 +1,22 @@
 """Launch a script on several processes with torchrun from a notebook, and see what each rank did.
 
-    >>> from perflab.distributed import launch
-    >>> run = launch(work / "train_ddp.py", "--epochs", "2", nproc=2, timeout_s=120)
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from perflab.distributed import launch, run_as_one_rank
+    >>> work = tempfile.TemporaryDirectory()
+    >>> script = Path(work.name) / "hello.py"
+    >>> _ = script.write_text('import os; print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])')
+    >>> run = launch(script, nproc=2, timeout_s=60)    # a few seconds: torchrun starts, then each rank
     >>> run
-    Launch(train_ddp.py on 2 ranks: succeeded in 8.9 s)
+    Launch(hello.py on 2 ranks: succeeded in ... s)
     >>> print(run.output(rank=1))       # everything rank 1 printed, stdout and stderr
-    >>> run.check()                     # raises LaunchFailed naming the rank that failed first, and its error
+    rank 1 of 2
+    <BLANKLINE>
+    >>> run.check() is run              # a failed launch raises LaunchFailed naming the rank that failed first
+    True
+    >>> run_as_one_rank(script)         # the same script in this process, as the only rank of a world of one
+    rank 0 of 1
+    >>> work.cleanup()
 
 ``launch`` runs ``python -m torch.distributed.run --standalone`` (``torchrun``): ``--standalone``
 picks a free port, so launches beside each other do not collide. Every launch has a wall-clock
@@ -17,6 +28,8 @@ its exception in an error file, which the result reads back.
 
 ``run_as_one_rank(script, *args)`` runs the same script inside this process as the only rank of
 a world of one: a failure shows its traceback in the notebook at once, without starting a job.
+
+Used in: lecture 07 (ddp), lab 07.
 """
 
 from __future__ import annotations
@@ -37,6 +50,10 @@ from pathlib import Path
 
 import psutil
 import torch.distributed as dist
+
+from perflab.render import Markup, Table
+
+__all__ = ["Launch", "LaunchFailed", "RankFailure", "launch", "run_as_one_rank", "torchrun_command"]
 
 # torchrun's summary of a failed job lists each failed rank with its exit code.
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
@@ -127,16 +144,13 @@ class Launch:
         return f"Launch({Path(self.script).name} on {self.nproc} ranks: {self.status})"
 
     def _repr_html_(self) -> str:
-        colour = "#2ca02c" if self.ok else "#d62728"
-        rows = "".join(
-            f"<tr><td>{rank}</td><td><pre style='margin:0'>{html.escape(_tail(text, 6))}</pre></td></tr>"
-            for rank, text in sorted(self.rank_outputs.items())
-        )
-        return (
-            f"<p><b>{html.escape(Path(self.script).name)}</b> on {self.nproc} ranks: "
-            f"<span style='color:{colour}'>{html.escape(self.status)}</span></p>"
-            f"<table><tr><th>rank</th><th>last lines of its output</th></tr>{rows}</table>"
-        )
+        # A <pre> keeps the output's line breaks, which an HTML cell would run together.
+        tails = {rank: _tail(text, 6) for rank, text in sorted(self.rank_outputs.items())}
+        rows = [
+            (rank, Markup(tail, f"<pre style='margin:0'>{html.escape(tail)}</pre>")) for rank, tail in tails.items()
+        ]
+        caption = f"{Path(self.script).name} on {self.nproc} ranks: {self.status}"
+        return Table(("rank", "last lines of its output"), rows, caption=caption)._repr_html_()
 
 
 def _tail(text: str, lines: int) -> str:

@@ -1,15 +1,27 @@
 """What this machine can do for PyTorch, measured rather than assumed.
 
+    >>> import torch
     >>> from perflab.doctor import doctor
-    >>> doctor()                 # in a notebook: a table; in a terminal: python -m perflab doctor
+    >>> report = doctor()        # a few seconds: it times matmuls, tries each kernel, compiles a function
+    >>> report                   # in a notebook, a table; in a terminal: python -m perflab doctor
+    section      check                             result
+    machine      device                            ...
+    versions     torch                             ...
+    precision    matmul 512x512 fp32               ...
+    attention    SDPA math                         works
+    compile      C++ compiler                      ...
+    distributed  gloo                              ...
+    >>> report["torch"] == torch.__version__, report["SDPA math"]
+    (True, 'works')
 
 Support is not speed: a CPU "supports" bf16 and still runs it slower than fp32 when it has no
 bf16 units, so the report times a matmul in each dtype rather than reading a feature flag.
+
+Used in: lecture 01 (gpu basics), lecture 04 (mixed precision).
 """
 
 from __future__ import annotations
 
-import html
 import os
 import platform
 import shutil
@@ -20,6 +32,19 @@ import torch
 
 from perflab.bench import benchmark, format_seconds
 from perflab.device import device_name, pick_device
+from perflab.render import Table
+
+__all__ = [
+    "Check",
+    "DoctorReport",
+    "compile_checks",
+    "distributed_checks",
+    "doctor",
+    "dtype_speed_checks",
+    "machine_checks",
+    "sdpa_checks",
+    "version_checks",
+]
 
 
 @dataclass(frozen=True)
@@ -39,21 +64,14 @@ class DoctorReport:
                 return check.result
         raise KeyError(name)
 
-    def __str__(self) -> str:
-        width = max(len(c.name) for c in self.checks)
-        lines = ["| section | check | result |", "|---|---|---|"]
-        lines += [f"| {c.section} | {c.name.ljust(width)} | {c.result} |" for c in self.checks]
-        return "\n".join(lines)
+    def _table(self) -> Table:
+        return Table(("section", "check", "result"), [(c.section, c.name, c.result) for c in self.checks])
 
     def __repr__(self) -> str:
-        return str(self)
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{html.escape(c.section)}</td><td>{html.escape(c.name)}</td><td>{html.escape(c.result)}</td></tr>"
-            for c in self.checks
-        )
-        return f"<table><tr><th>section</th><th>check</th><th>result</th></tr>{rows}</table>"
+        return self._table()._repr_html_()
 
 
 def _short(error: BaseException) -> str:
@@ -102,7 +120,7 @@ def dtype_speed_checks(device: torch.device, size: int = 512) -> list[Check]:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         try:
             a = torch.randn(size, size, device=device, dtype=dtype)
-            timings[dtype] = benchmark(lambda a=a: a @ a, device=device, repeats=5, warmup=1, min_sample_s=0.01)
+            timings[dtype] = benchmark(lambda a=a: a @ a, device=device, samples=5, warmup=1, min_sample_s=0.01)
         except RuntimeError as error:
             timings[dtype] = error
     fp32 = timings[torch.float32]

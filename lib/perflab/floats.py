@@ -3,10 +3,24 @@
     >>> from perflab.floats import float_bits, compare_formats, format_ranges, bit_layout_figure
     >>> float_bits(0.1, "bfloat16")
     FloatBits(bfloat16: 0.1 -> 0.10009765625, sign 0 exponent 01111011 mantissa 1001101, relative error 9.8e-04)
-    >>> compare_formats(65520)       # a table: float16 overflows to inf, bfloat16 rounds to 65536
+    >>> compare_formats(65520)       # float16 overflows to inf, bfloat16 rounds to 65536
+    format    stored value  bits (sign exponent mantissa)       relative error  flags
+    float32   65520.0       0 10001110 11111111111000000000000  0.0e+00
+    tfloat32  65536.0       0 10001111 0000000000               2.4e-04
+    bfloat16  65536.0       0 10001111 0000000                  2.4e-04
+    float16   inf           0 11111 0000000000                  inf             overflow
+    65520.0 in each format
     >>> format_ranges()              # largest finite, smallest normal, epsilon, decimal digits (torch.finfo)
+    format     max finite  smallest normal      epsilon  decimal digits
+    float32   3.40282e+38      1.17549e-38  1.19209e-07               6
+    tfloat32  3.40116e+38      1.17549e-38  0.000976562               3
+    bfloat16  3.38953e+38      1.17549e-38    0.0078125               2
+    float16         65504      6.10352e-05  0.000976562               3
+    from torch.finfo, torch ...
     >>> bit_layout_figure(0.1)       # one row of bit boxes per format, coloured sign/exponent/mantissa
+    <Figure size ... with 1 Axes>
     >>> float_bits(0.1, "tf32")      # TensorFloat-32: float32's exponent, float16's 10 mantissa bits
+    FloatBits(tfloat32: 0.1 -> 0.0999755859375, sign 0 exponent 01111011 mantissa 1001100110, relative error 2.4e-04)
 
 A Python number is first a float64; it is converted with ``torch.tensor(value, dtype=torch.float64)
 .to(dtype)``, round to nearest, ties to even. Torch narrows float64 to bfloat16 and float16 *through
@@ -19,6 +33,8 @@ TF32 (``"tfloat32"``) is not a storage type: NVIDIA's tensor cores read float32 
 the top 10 of their 23 mantissa bits, when ``torch.set_float32_matmul_precision("high")`` allows it.
 Here the float32 value is rounded to 10 mantissa bits, to nearest, ties to even, and kept in a
 float32 tensor whose low 13 bits are zero; the tensor cores' own conversion may differ in the last bit.
+
+Used in: lecture 04 (mixed precision).
 """
 
 from __future__ import annotations
@@ -32,10 +48,22 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from perflab.tables import text_table
+from perflab.render import Markup, Table, add_footer
+
+__all__ = [
+    "FORMATS",
+    "FloatBits",
+    "FormatComparison",
+    "FormatRange",
+    "FormatRanges",
+    "bit_layout_figure",
+    "compare_formats",
+    "float_bits",
+    "format_ranges",
+]
 
 FORMATS = ("float32", "tfloat32", "bfloat16", "float16")
-ALIASES = {
+_ALIASES = {
     "fp32": "float32",
     "tf32": "tfloat32",
     "tensorfloat32": "tfloat32",
@@ -43,22 +71,22 @@ ALIASES = {
     "fp16": "float16",
     "half": "float16",
 }
-FIELD_COLOURS = {"sign": "#f4a3a3", "exponent": "#a9c9f2", "mantissa": "#b8e2b0"}
+_FIELD_COLOURS = {"sign": "#f4a3a3", "exponent": "#a9c9f2", "mantissa": "#b8e2b0"}
 _INT_OF_WIDTH = {32: torch.int32, 16: torch.int16}
-TF32_MANTISSA_BITS = 10
-_TF32_DROPPED_BITS = 23 - TF32_MANTISSA_BITS  # float32 mantissa bits the tensor cores ignore
+_TF32_MANTISSA_BITS = 10
+_TF32_DROPPED_BITS = 23 - _TF32_MANTISSA_BITS  # float32 mantissa bits the tensor cores ignore
 
 
 def _format_name(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str):
-        name = ALIASES.get(dtype.lower(), dtype.lower())
+        name = _ALIASES.get(dtype.lower(), dtype.lower())
     else:
         raise TypeError(f"a float format is a name or a torch dtype, got {type(dtype).__name__} {dtype!r}")
     if name not in FORMATS:
         raise ValueError(
-            f"unknown float format {dtype!r}: choose one of {', '.join(FORMATS)} (or {', '.join(ALIASES)})"
+            f"unknown float format {dtype!r}: choose one of {', '.join(FORMATS)} (or {', '.join(_ALIASES)})"
         )
     return name
 
@@ -76,7 +104,7 @@ def _field_widths(name: str) -> tuple[int, int]:
     """(exponent bits, mantissa bits): the mantissa has log2(1 / eps) bits, the sign one, the exponent the rest."""
     if name == "tfloat32":
         exponent, _ = _field_widths("float32")
-        return exponent, TF32_MANTISSA_BITS
+        return exponent, _TF32_MANTISSA_BITS
     info = torch.finfo(getattr(torch, name))
     mantissa = round(-math.log2(info.eps))
     return info.bits - 1 - mantissa, mantissa
@@ -154,13 +182,14 @@ class FloatBits:
 
     def _bits_html(self) -> str:
         boxes = (
-            f'<span title="{field}" style="background:{FIELD_COLOURS[field]};color:#000">{bits}</span>'
+            f'<span title="{field}" style="background:{_FIELD_COLOURS[field]};color:#000">{bits}</span>'
             for field, bits in self.fields
         )
         return "<code>" + " ".join(boxes) + "</code>"
 
-    def _row(self, bits: str) -> tuple[str, ...]:
-        """This result as a table row, with its bits drawn as ``bits`` (plain text or coloured HTML)."""
+    def _row(self) -> tuple[str | Markup, ...]:
+        """This result as a table row; in HTML its bits are coloured by field."""
+        bits = Markup(" ".join(bits for _, bits in self.fields), self._bits_html())
         return self.format, repr(self.stored), bits, f"{self.relative_error:.1e}", ", ".join(self.flags)
 
     def __repr__(self) -> str:
@@ -171,18 +200,10 @@ class FloatBits:
         )
 
     def _repr_html_(self) -> str:
-        return _html_table(_BITS_HEADER, [self._row(self._bits_html())], caption=f"{self.value!r} as {self.format}")
+        return Table(_BITS_HEADER, [self._row()], caption=f"{self.value!r} as {self.format}")._repr_html_()
 
 
 _BITS_HEADER = ("format", "stored value", "bits (sign exponent mantissa)", "relative error", "flags")
-_RANGES_HEADER = ("format", "max finite", "smallest normal", "epsilon", "decimal digits")
-
-
-def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, caption: str) -> str:
-    # Cells are numbers, format names and the bit spans built above: nothing needs escaping.
-    head = "".join(f"<th>{cell}</th>" for cell in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><caption>{caption}</caption><tr>{head}</tr>{body}</table>"
 
 
 def float_bits(value: float, dtype: str | torch.dtype) -> FloatBits:
@@ -213,16 +234,14 @@ class FormatComparison:
     def __getitem__(self, dtype: str | torch.dtype) -> FloatBits:
         return {result.format: result for result in self.results}[_format_name(dtype)]
 
+    def _table(self) -> Table:
+        return Table(_BITS_HEADER, [result._row() for result in self.results], caption=f"{self.value!r} in each format")
+
     def __repr__(self) -> str:
-        rows = [result._row(" ".join(bits for _, bits in result.fields)) for result in self.results]
-        return f"FormatComparison({self.value!r})\n" + text_table(_BITS_HEADER, rows)
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        return _html_table(
-            _BITS_HEADER,
-            [result._row(result._bits_html()) for result in self.results],
-            caption=f"{self.value!r} in each format",
-        )
+        return self._table()._repr_html_()
 
 
 def compare_formats(value: float) -> FormatComparison:
@@ -251,17 +270,19 @@ class FormatRanges:
     def __getitem__(self, dtype: str | torch.dtype) -> FormatRange:
         return {limits.format: limits for limits in self.ranges}[_format_name(dtype)]
 
-    def _rows(self) -> list[tuple[str, ...]]:
-        return [
-            (r.format, f"{r.max_finite:.6g}", f"{r.smallest_normal:.6g}", f"{r.epsilon:.6g}", str(r.decimal_digits))
+    def _table(self) -> Table:
+        rows = [
+            (r.format, f"{r.max_finite:.6g}", f"{r.smallest_normal:.6g}", f"{r.epsilon:.6g}", r.decimal_digits)
             for r in self.ranges
         ]
+        header = ("format", "max finite", "smallest normal", "epsilon", "decimal digits")
+        return Table(header, rows, caption=f"from torch.finfo, torch {torch.__version__}", numeric=(1, 2, 3, 4))
 
     def __repr__(self) -> str:
-        return "FormatRanges\n" + text_table(_RANGES_HEADER, self._rows())
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        return _html_table(_RANGES_HEADER, self._rows(), caption=f"from torch.finfo, torch {torch.__version__}")
+        return self._table()._repr_html_()
 
 
 def format_ranges() -> FormatRanges:
@@ -293,7 +314,7 @@ def bit_layout_figure(value: float) -> Figure:
     for row, result in enumerate(results):
         fields = [field for field, bits in result.fields for _ in bits]
         for position, (field, bit) in enumerate(zip(fields, result.bits)):
-            ax.add_patch(Rectangle((position, row - 0.4), 1, 0.8, facecolor=FIELD_COLOURS[field], edgecolor="white"))
+            ax.add_patch(Rectangle((position, row - 0.4), 1, 0.8, facecolor=_FIELD_COLOURS[field], edgecolor="white"))
             ax.text(position + 0.5, row, bit, ha="center", va="center", fontsize=8, family="monospace")
     ax.set_xlim(0, width)
     ax.set_ylim(len(results) - 0.5, -0.5)
@@ -304,21 +325,17 @@ def bit_layout_figure(value: float) -> Figure:
     ax.set_xlabel("bit position (most significant first)")
     ax.set_title(f"How {comparison.value!r} is stored in each format")
     ax.legend(
-        handles=[Patch(facecolor=colour, label=field) for field, colour in FIELD_COLOURS.items()],
+        handles=[Patch(facecolor=colour, label=field) for field, colour in _FIELD_COLOURS.items()],
         loc="upper left",
         bbox_to_anchor=(1.01, 1.0),
         fontsize=8,
         frameon=False,
     )
     ax.set_frame_on(False)
-    figure.text(
-        0.01,
-        0.005,
+    add_footer(
+        figure,
         f"bits read from torch tensors with tensor.view(int), torch {torch.__version__}; "
         "converted from float64 (torch rounds through float32), ties to even; TF32 is float32 rounded "
         "to 10 mantissa bits here (tensor cores may round differently)",
-        fontsize=7,
-        color="#555555",
     )
-    figure.tight_layout(rect=(0, 0.04, 1, 1))
     return figure

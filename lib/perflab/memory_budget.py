@@ -15,11 +15,12 @@ from what ``perflab.models.gpt`` computes and what each PyTorch op saves on the 
 with torch 2.14, the estimate is exact to the byte. On CUDA autocast runs softmax in float32,
 dropout keeps a bool mask and SDPA picks other kernels, so there the activations are an
 approximation: check them against ``measure_training_memory(..., device="cuda")``.
+
+Used in: lecture 05 (memory checkpointing).
 """
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -28,11 +29,22 @@ import torch
 
 from perflab.memory import saved_tensors
 from perflab.models.gpt import GPT, GPTConfig
+from perflab.render import Table
+
+__all__ = [
+    "COMPONENTS",
+    "MemoryComparison",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "TrainingMemory",
+    "estimate_training_memory",
+    "measure_training_memory",
+]
 
 PRECISIONS = ("float32", "bfloat16")  # bfloat16 means float32 weights with bfloat16 autocast
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
-FLOAT32, BFLOAT16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
+_FLOAT32, _BFLOAT16, _INT64, _BOOL = 4, 2, 8, 1  # bytes per element
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,8 @@ class TrainingMemory:
         rows = [(_label(c), getattr(self, c)) for c in COMPONENTS] + [("total", self.total)]
         if self.peak_allocated is not None:
             rows.append(("peak allocated", self.peak_allocated))
-        body = "".join(
-            f"<tr><th style='text-align:left'>{name}</th><td>{count / 1e6:.2f} MB</td></tr>" for name, count in rows
-        )
-        return f"<table><caption>{html.escape(self.source)}</caption>{body}</table>"
+        megabytes = [(name, f"{count / 1e6:.2f} MB") for name, count in rows]
+        return Table((), megabytes, caption=self.source, numeric=(1,))._repr_html_()
 
 
 @dataclass(frozen=True)
@@ -85,13 +95,17 @@ class MemoryComparison:
         return f"MemoryComparison(estimate / measured: {ratios})"
 
     def _repr_html_(self) -> str:
-        head = "<tr><th></th><th>estimate</th><th>measured</th><th>estimate / measured</th></tr>"
-        body = "".join(
-            f"<tr><th style='text-align:left'>{_label(c)}</th><td>{getattr(self.estimate, c) / 1e6:.2f} MB</td>"
-            f"<td>{getattr(self.measured, c) / 1e6:.2f} MB</td><td>{ratio:.3f}</td></tr>"
+        rows = [
+            (
+                _label(c),
+                f"{getattr(self.estimate, c) / 1e6:.2f} MB",
+                f"{getattr(self.measured, c) / 1e6:.2f} MB",
+                f"{ratio:.3f}",
+            )
             for c, ratio in self.ratios.items()
-        )
-        return f"<table><caption>{html.escape(self.measured.source)}</caption>{head}{body}</table>"
+        ]
+        header = ("", "estimate", "measured", "estimate / measured")
+        return Table(header, rows, caption=self.measured.source, numeric=(1, 2, 3))._repr_html_()
 
 
 def _label(component: str) -> str:
@@ -127,6 +141,7 @@ def estimate_training_memory(
 ) -> TrainingMemory:
     """Closed-form bytes of one training step of ``GPT(config)``; ``checkpointing=None`` follows the config.
 
+    >>> from perflab.models import GPTConfig
     >>> estimate_training_memory(GPTConfig(), batch_size=32, seq_len=128, precision="bfloat16").activations
     85099524
     """
@@ -137,10 +152,10 @@ def estimate_training_memory(
     # down (4C^2 + C). The output head shares the token embedding's matrix, so it adds nothing.
     parameter_count = config.vocab_size * C + config.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
     parameter_tensors = 2 + 12 * L + 2  # embeddings, 12 per block, the final LayerNorm
-    weights = parameter_count * FLOAT32  # autocast leaves the weights (and so their gradients) in float32
+    weights = parameter_count * _FLOAT32  # autocast leaves the weights (and so their gradients) in float32
     optimizer_state = {
         # exp_avg and exp_avg_sq per parameter, and a float32 step count per tensor
-        "adamw": 2 * weights + parameter_tensors * FLOAT32,
+        "adamw": 2 * weights + parameter_tensors * _FLOAT32,
         "sgd": 0,
         "sgd_momentum": weights,  # one momentum buffer per parameter
     }[optimizer]
@@ -157,22 +172,22 @@ def _activation_bytes(config: GPTConfig, batch: int, length: int, precision: str
     """Bytes autograd keeps for backward: embeddings, the blocks, then the head and the loss."""
     tokens, C, V = batch * length, config.n_embd, config.vocab_size
     autocast = precision == "bfloat16"
-    matmul = BFLOAT16 if autocast else FLOAT32  # what matmul inputs are saved in
-    residual = tokens * C * FLOAT32  # the residual stream stays float32 under autocast
+    matmul = _BFLOAT16 if autocast else _FLOAT32  # what matmul inputs are saved in
+    residual = tokens * C * _FLOAT32  # the residual stream stays float32 under autocast
     # On the CPU dropout multiplies by a noise tensor of the input's dtype, and keeps that.
-    embeddings = tokens * INT64 + length * INT64 + (residual if config.dropout > 0 else 0)  # ids, positions
+    embeddings = tokens * _INT64 + length * _INT64 + (residual if config.dropout > 0 else 0)  # ids, positions
     if checkpointing:
         blocks = config.n_layer * residual  # only each block's input; the rest is recomputed in backward
     else:
         blocks = config.n_layer * _block_bytes(config, batch, length, matmul)
     head = (
         residual
-        + 2 * tokens * FLOAT32  # final LayerNorm: its input, mean and 1/std per token
+        + 2 * tokens * _FLOAT32  # final LayerNorm: its input, mean and 1/std per token
         + tokens * C * matmul  # the output head's input
-        + (V * C * BFLOAT16 if autocast else 0)  # the head's bfloat16 copy of the tied embedding matrix
-        + tokens * V * FLOAT32  # log-probabilities: cross_entropy runs on float32 logits
-        + tokens * INT64
-        + FLOAT32  # targets, and the loss's normalizer (a float32 scalar)
+        + (V * C * _BFLOAT16 if autocast else 0)  # the head's bfloat16 copy of the tied embedding matrix
+        + tokens * V * _FLOAT32  # log-probabilities: cross_entropy runs on float32 logits
+        + tokens * _INT64
+        + _FLOAT32  # targets, and the loss's normalizer (a float32 scalar)
     )
     return embeddings + blocks + head
 
@@ -190,10 +205,10 @@ def _block_bytes(config: GPTConfig, batch: int, length: int, matmul: int) -> int
     statistics, s^2 for the mask and 24h^2 for the weights.
     """
     tokens, C = batch * length, config.n_embd
-    residual = tokens * C * FLOAT32
+    residual = tokens * C * _FLOAT32
     activation = tokens * C * matmul  # one (B, T, C) tensor as matmul inputs are saved
     total = (
-        2 * (residual + 2 * tokens * FLOAT32)  # both LayerNorms: float32 input, mean and 1/std
+        2 * (residual + 2 * tokens * _FLOAT32)  # both LayerNorms: float32 input, mean and 1/std
         + activation  # qkv's input
         + _attention_bytes(config, batch, length, matmul)  # from q, k, v to proj's input
         + activation  # up's input
@@ -202,8 +217,8 @@ def _block_bytes(config: GPTConfig, batch: int, length: int, matmul: int) -> int
     )
     if config.dropout > 0:
         total += 2 * activation  # noise of the attention and MLP dropouts, in their inputs' dtype
-    if matmul == BFLOAT16:
-        total += 12 * C * C * BFLOAT16  # autocast's bfloat16 copies of qkv, proj, up and down weights
+    if matmul == _BFLOAT16:
+        total += 12 * C * C * _BFLOAT16  # autocast's bfloat16 copies of qkv, proj, up and down weights
     return total
 
 
@@ -214,13 +229,13 @@ def _attention_bytes(config: GPTConfig, batch: int, length: int, matmul: int) ->
     if config.attention == "sdpa":
         # The CPU's flash kernel keeps q, k, v (views of qkv's output), its output (laid out so
         # that proj reads it as a view) and one float32 log-sum-exp per query row.
-        return 3 * activation + activation + batch * heads * length * FLOAT32
+        return 3 * activation + activation + batch * heads * length * _FLOAT32
     if config.attention == "naive":
         # q @ k^T and probabilities @ v keep q, k and v (copies where matmul folds B and H into
         # one batch dimension; views of qkv's output, the same bytes, where B or H is 1); the
         # causal mask; softmax's T x T output per head, which the CPU's autocast leaves in
         # bfloat16; and the output, copied into (B, T, C).
-        return 3 * activation + length * length * BOOL + batch * heads * length * length * matmul + activation
+        return 3 * activation + length * length * _BOOL + batch * heads * length * length * matmul + activation
     return _tiled_attention_bytes(config, batch, length, matmul)
 
 
@@ -235,15 +250,15 @@ def _tiled_attention_bytes(config: GPTConfig, batch: int, length: int, matmul: i
         q_rows = min(tile, length - q_start)
         q_end = q_start + q_rows  # causal: this query tile reads keys 0 .. q_end - 1
         key_tiles = math.ceil(q_end / tile)
-        total += rows * q_rows * q_end * FLOAT32  # the probabilities exp(scores - max), in float32
-        if matmul == BFLOAT16:
-            total += rows * q_rows * q_end * BFLOAT16  # its bfloat16 copy for probabilities @ v
+        total += rows * q_rows * q_end * _FLOAT32  # the probabilities exp(scores - max), in float32
+        if matmul == _BFLOAT16:
+            total += rows * q_rows * q_end * _BFLOAT16  # its bfloat16 copy for probabilities @ v
         if copies:
             total += (key_tiles * q_rows + 2 * q_end) * rows * head_dim * matmul  # the q, k and v tiles
         if q_rows > 1:
-            total += q_rows * q_rows * BOOL  # the causal mask of the diagonal tile
-        total += (key_tiles - 1) * rows * q_rows * FLOAT32  # rescale factors, from the 2nd key tile on
-        total += rows * q_rows * (head_dim + 1) * FLOAT32  # accumulator and running sum, for the division
+            total += q_rows * q_rows * _BOOL  # the causal mask of the diagonal tile
+        total += (key_tiles - 1) * rows * q_rows * _FLOAT32  # rescale factors, from the 2nd key tile on
+        total += rows * q_rows * (head_dim + 1) * _FLOAT32  # accumulator and running sum, for the division
     return total + batch * length * config.n_embd * matmul  # the output, copied into (B, T, C)
 
 
@@ -259,8 +274,9 @@ def measure_training_memory(
 ) -> TrainingMemory:
     """Build ``GPT(config)`` on ``device`` and run one training step on random tokens, counting as it goes.
 
+    >>> from perflab.models import GPTConfig
     >>> measure_training_memory(GPTConfig(n_layer=2), batch_size=4, seq_len=64, optimizer="sgd")
-    TrainingMemory(measured on cpu, torch 2.14.1: 8.31 MB = parameters 1.78 + gradients 1.78 + optimizer state 0.00 + activations 4.74)
+    TrainingMemory(measured on cpu, torch ...: 8.31 MB = parameters 1.78 + gradients 1.78 + optimizer state 0.00 + activations 4.74)
     """
     _check_workload(config, batch_size, seq_len, precision, optimizer)
     checkpointing = config.checkpoint_blocks if checkpointing is None else checkpointing

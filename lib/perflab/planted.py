@@ -2,8 +2,13 @@
 
     >>> from perflab.diagnose import diagnose
     >>> from perflab.planted import PLANTED_KINDS, planted_run
-    >>> {kind: diagnose(planted_run(kind)).kind for kind in PLANTED_KINDS}   # each one named right
-    {'data-bound': 'data-bound', 'compute-bound': 'compute-bound', ...}
+    >>> from perflab.plots import diagnosis_shares
+    >>> diagnoses = {kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}
+    >>> {kind: diagnosis.kind for kind, diagnosis in diagnoses.items()}   # each one named right
+    {'data-bound': 'data-bound', 'compute-bound': 'compute-bound',
+     'memory-bound': 'memory-bound', 'overhead-bound': 'overhead-bound'}
+    >>> diagnosis_shares(diagnoses, caption="the planted runs, on this machine")   # perflab.plots: one bar each
+    <Figure size ... with 1 Axes>
 
 Each run takes a second or a few on a 2-core CPU, and is sized so that its kind wins by a wide
 margin there (the deciding share measured about twice the next one or more). They run on the CPU
@@ -12,6 +17,8 @@ the compute-bound run's batch would leave it waiting on Python, overhead-bound. 
 belongs to the run *and* the machine. They also run on one thread: a multi-threaded operator on
 a machine shared with other busy processes can stall many times over waiting for its second
 thread to be scheduled, which would misname the run.
+
+Used in: lecture 02 (profiling).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import torch
 from torch.profiler import profile, record_function
 
 from perflab.models import GPT, GPTConfig, ResNetConfig
-from perflab.profile import ProfiledRun, profile_training
+from perflab.profiling import ProfiledRun, profile_training
 from perflab.train import NAIVE, OPTIMIZED, Workload
+
+__all__ = ["PLANTED_IMAGES", "PLANTED_KINDS", "planted_run"]
 
 PLANTED_KINDS = ("data-bound", "compute-bound", "memory-bound", "overhead-bound")
 # 300 small generated JPEGs: a few seconds to generate once, then found in the data cache.
@@ -43,7 +52,7 @@ def _one_thread() -> Iterator[None]:
 
 
 @_one_thread()
-def data_bound() -> ProfiledRun:
+def _data_bound() -> ProfiledRun:
     """Per-sample JPEG decoding and PIL transforms in the training process, feeding a narrow ResNet."""
     return profile_training(
         NAIVE, replace(PLANTED_IMAGES, model=ResNetConfig(widths=(4, 8, 16))), steps=6, device="cpu"
@@ -51,7 +60,7 @@ def data_bound() -> ProfiledRun:
 
 
 @_one_thread()
-def compute_bound() -> ProfiledRun:
+def _compute_bound() -> ProfiledRun:
     """Batches already in memory, a wider ResNet and a batch of 128: convolutions fill the step."""
     return profile_training(
         replace(OPTIMIZED, name="wide ResNet, batch 128", pipeline="memory", batch_size=128),
@@ -62,7 +71,7 @@ def compute_bound() -> ProfiledRun:
 
 
 @_one_thread()
-def memory_bound(steps: int = 2) -> profile:
+def _memory_bound(steps: int = 2) -> profile:
     """A GPT with 16 heads 4 wide over 512 tokens and textbook attention: the 512 x 512 scores'
     softmax, scaling and masking outweigh the thin matmuls that make them."""
     config = GPTConfig(n_layer=2, n_head=16, n_embd=64, block_size=512, attention="naive")
@@ -88,7 +97,7 @@ def memory_bound(steps: int = 2) -> profile:
 
 
 @_one_thread()
-def overhead_bound() -> ProfiledRun:
+def _overhead_bound() -> ProfiledRun:
     """One image per step through a tiny ResNet: Python and dispatch between operators that do almost nothing."""
     return profile_training(
         replace(OPTIMIZED, name="tiny ResNet, batch 1", pipeline="memory", batch_size=1, channels_last=False),
@@ -98,11 +107,11 @@ def overhead_bound() -> ProfiledRun:
     )
 
 
-PLANTED_RUNS = dict(zip(PLANTED_KINDS, (data_bound, compute_bound, memory_bound, overhead_bound)))
+_PLANTED_RUNS = dict(zip(PLANTED_KINDS, (_data_bound, _compute_bound, _memory_bound, _overhead_bound)))
 
 
 def planted_run(kind: str) -> ProfiledRun | profile:
     """Run and profile the planted run of ``kind``, one of :data:`PLANTED_KINDS`."""
-    if kind not in PLANTED_RUNS:
+    if kind not in _PLANTED_RUNS:
         raise ValueError(f"no planted run of kind {kind!r}; the kinds are {', '.join(PLANTED_KINDS)}")
-    return PLANTED_RUNS[kind]()
+    return _PLANTED_RUNS[kind]()

@@ -1,15 +1,31 @@
 """Pictures of measurements: each has a title, labelled axes with units, and says where its numbers came from.
 
->>> from perflab.plots import phase_timeline, speedup_waterfall
->>> speedup_waterfall([baseline, cached, final])        # samples/s gained or lost by each change
+>>> from dataclasses import replace
+>>> from perflab.memory_budget import estimate_training_memory
+>>> from perflab.models import GPTConfig
+>>> from perflab.plots import memory_curve, phase_timeline, speedup_waterfall, throughput_curve
+>>> from perflab.train import NAIVE, OPTIMIZED, Workload, train
+>>> tiny = Workload(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, epochs=1)
+>>> baseline, final = train(NAIVE, tiny, progress=False), train(OPTIMIZED, tiny, progress=False)
+>>> speedup_waterfall([baseline, final])                 # samples/s gained or lost by each change
+<Figure size ... with 1 Axes>
 >>> phase_timeline([baseline, final], seconds=0.5)       # where the first half second of each run went
->>> trace_timeline(profile_training(NAIVE, steps=8))     # the profiler's trace: host and device rows, gaps
->>> throughput_curve([32, 64, 128], results, knob="batch size")
->>> memory_curve(seq_lens, estimates, knob="sequence length (tokens)", caption="estimated for GPT-2 small")
->>> ceiling_chart(measure_against_ceiling(pipelines, step, ceiling_batches))   # samples/s, ceiling as a line
->>> diagnosis_shares({kind: diagnose(planted_run(kind)) for kind in PLANTED_KINDS}, caption="measured on ...")
->>> tradeoff_curve(measure_tradeoff(variants, parameters=model.parameters()), caption="GPT, 6 blocks, on ...")
->>> break_even_chart({"chain": compile_cost(eager, compiled)}, caption="measured on ...")  # when compiling pays
+<Figure size ... with 1 Axes>
+>>> batch_sizes = [16, 32]
+>>> results = [train(replace(OPTIMIZED, batch_size=size), tiny, progress=False) for size in batch_sizes]
+>>> throughput_curve(batch_sizes, results, knob="batch size")
+<Figure size ... with 1 Axes>
+>>> lengths = [64, 128, 256]
+>>> estimates = [estimate_training_memory(GPTConfig(block_size=256), batch_size=8, seq_len=n) for n in lengths]
+>>> memory_curve(lengths, estimates, knob="sequence length (tokens)", caption="estimated for the course's GPT")
+<Figure size ... with 1 Axes>
+
+The other pictures draw what another module measures, and are shown there: ``trace_timeline``
+in :mod:`perflab.profiling`, ``ceiling_chart`` in :mod:`perflab.ceiling`, ``diagnosis_shares``
+in :mod:`perflab.planted`, ``tradeoff_curve`` in :mod:`perflab.tradeoff` and
+``break_even_chart`` in :mod:`perflab.compiling`.
+
+Used in: lectures 02, 03, 05 and 06, labs 03 and 09.
 """
 
 from __future__ import annotations
@@ -23,19 +39,29 @@ from matplotlib.patches import Patch
 from perflab.bench import format_seconds
 from perflab.diagnose import Diagnosis
 from perflab.memory_budget import COMPONENTS
-from perflab.profile import ProfiledRun, Span
+from perflab.profiling import ProfiledRun, Span
+from perflab.render import add_footer
 from perflab.train_result import PHASES, TrainResult
 
-PHASE_COLOURS = dict(zip(PHASES, ("#d62728", "#9467bd", "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")))
+__all__ = [
+    "break_even_chart",
+    "ceiling_chart",
+    "diagnosis_shares",
+    "memory_curve",
+    "phase_timeline",
+    "provenance",
+    "speedup_waterfall",
+    "throughput_curve",
+    "trace_timeline",
+    "tradeoff_curve",
+]
+
+_PHASE_COLOURS = dict(zip(PHASES, ("#d62728", "#9467bd", "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")))
 
 
 def provenance(result: TrainResult) -> str:
     """One line naming the machine and software a result was measured with."""
-    env = result.environment
-    return (
-        f"measured on {env['device_name']} ({env['device']}, {env['threads']} threads), "
-        f"torch {env['torch']}, {env['date']}, commit {env['commit']}"
-    )
+    return f"measured on {result.environment}"
 
 
 def speedup_waterfall(results: Sequence[TrainResult], *, title: str = "Where the speedup came from") -> Figure:
@@ -59,15 +85,14 @@ def speedup_waterfall(results: Sequence[TrainResult], *, title: str = "Where the
     ax.set_ylim(0, 1.15 * max(rates))  # room for the ratios above the bars
     ax.set_ylabel("training throughput (samples/s)")
     ax.set_title(title)
-    figure.text(0.01, 0.005, provenance(results[-1]), fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, provenance(results[-1]))
     return figure
 
 
 def _draw_timeline(rows: dict[str, list[Span]], *, seconds: float, title: str, caption: str) -> Figure:
     """One row per key: its spans, coloured by phase; white space is time nothing was recorded."""
     figure, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(rows)))
-    colours = {**PHASE_COLOURS, "kernel": "#17becf"}
+    colours = {**_PHASE_COLOURS, "kernel": "#17becf"}
     for index, spans in enumerate(rows.values()):
         for span in spans:
             if span.start_s < seconds:
@@ -87,8 +112,7 @@ def _draw_timeline(rows: dict[str, list[Span]], *, seconds: float, title: str, c
         fontsize=8,
         frameon=False,
     )
-    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, caption)
     return figure
 
 
@@ -141,8 +165,7 @@ def throughput_curve(
     ax.set_ylabel("training throughput (samples/s)")
     ax.set_ylim(bottom=0)
     ax.set_title(title or f"Throughput against {knob}")
-    figure.text(0.01, 0.005, provenance(results[-1]), fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, provenance(results[-1]))
     return figure
 
 
@@ -159,8 +182,7 @@ def memory_curve(values: Sequence, memories: Sequence, *, knob: str, caption: st
     ax.set_ylabel("memory (MB)")
     ax.set_title(title or f"Training memory against {knob}")
     ax.legend(loc="upper left", fontsize=8)
-    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, caption)
     return figure
 
 
@@ -178,12 +200,11 @@ def ceiling_chart(measured, *, title: str = "Input pipelines against their compu
     ax.set_ylim(0, 1.15 * max(ceiling, *rates))
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
-    figure.text(0.01, 0.005, f"{measured.caption}; labels: share of the ceiling", fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, f"{measured.caption}; labels: share of the ceiling")
     return figure
 
 
-SHARE_COLOURS = {"data": "#d62728", "compute": "#1f77b4", "memory": "#ff7f0e", "overhead": "#7f7f7f"}
+_SHARE_COLOURS = {"data": "#d62728", "compute": "#1f77b4", "memory": "#ff7f0e", "overhead": "#7f7f7f"}
 
 
 def diagnosis_shares(
@@ -196,7 +217,7 @@ def diagnosis_shares(
     names = list(diagnoses)
     figure, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(names)))
     left = [0.0] * len(names)
-    for part, colour in SHARE_COLOURS.items():
+    for part, colour in _SHARE_COLOURS.items():
         widths = [100 * diagnoses[name].shares[part] for name in names]
         ax.barh(range(len(names)), widths, left=left, color=colour, label=part)
         for row, (start, width) in enumerate(zip(left, widths)):
@@ -209,8 +230,7 @@ def diagnosis_shares(
     ax.set_xlabel("share of the profiled steps' time (%)")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, caption)
     return figure
 
 
@@ -237,8 +257,7 @@ def tradeoff_curve(tradeoff, *, caption: str, title: str = "Compute against memo
     ax.set_ylabel(f"step time relative to '{tradeoff.variants[0].label}'")
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
-    figure.text(0.01, 0.005, f"{tradeoff.caption}; {caption}", fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    add_footer(figure, f"{tradeoff.caption}; {caption}")
     return figure
 
 
@@ -288,6 +307,5 @@ def break_even_chart(
         ax.set_title(name, fontsize=10)
         ax.legend(loc="upper left", fontsize=7)
     figure.suptitle(title)
-    figure.text(0.01, 0.005, caption, fontsize=7, color="#555555")
-    figure.tight_layout(rect=(0, 0.04, 1, 1))
+    add_footer(figure, caption)
     return figure

@@ -1,9 +1,20 @@
 """Copy the next batch to the GPU while the current one computes: a prefetcher on a side CUDA stream.
 
+    >>> import torch.nn.functional as F
+    >>> from perflab.data import make_image_folder
+    >>> from perflab.models import ResNet, ResNetConfig
+    >>> from perflab.pipeline import CachedImages, cached_batches, to_model_input
     >>> from perflab.prefetch import CudaPrefetcher
-    >>> batches = cached_batches(cache, batch_size=256, pin_memory=True)   # pinned: the copy can be asynchronous
-    >>> for images, labels in CudaPrefetcher(batches, "cuda", transform=to_model_input):
-    ...     loss = F.cross_entropy(model(images), labels)                   # batch k computes while k+1 copies
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> cache, model = CachedImages(data.train, progress=False), ResNet(ResNetConfig(num_classes=3))
+    >>> batches = cached_batches(cache, batch_size=16, pin_memory=True)  # doctest: +SKIP
+    >>> batches = cached_batches(cache, batch_size=16)      # on a CPU: nothing to pin (pinned: the copy is asynchronous)
+    >>> prefetcher = CudaPrefetcher(batches, "cuda", transform=to_model_input)  # doctest: +SKIP
+    >>> prefetcher = CudaPrefetcher(batches, "cpu", transform=to_model_input)   # on a CPU: the batches pass through
+    >>> for images, labels in prefetcher:
+    ...     loss = F.cross_entropy(model(images), labels)   # on a GPU, batch k computes while k+1 copies
+    >>> images.dtype, images.shape                          # the last batch, converted by the transform
+    (torch.float32, torch.Size([12, 3, 32, 32]))
 
 ``x.to("cuda", non_blocking=True)`` from pinned memory only queues the copy and returns. Queued
 on the compute stream, though, the copy waits behind the kernels already queued there, and the
@@ -15,6 +26,8 @@ that the caching allocator does not give its memory to a new tensor while kernel
 
 On any other device there is no copy to hide: the batches pass through in the same order, moved
 with ``.to(device)`` and transformed.
+
+Used in: lecture 03 (data loading).
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+
+__all__ = ["CudaPrefetcher"]
 
 
 class CudaPrefetcher:

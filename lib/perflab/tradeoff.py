@@ -1,16 +1,26 @@
 """What each variant of a training step costs in memory and in time, measured side by side.
 
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> from perflab.plots import tradeoff_curve
     >>> from perflab.tradeoff import measure_tradeoff
-    >>> def checkpointing(k):                  # a variant: a function that runs the forward pass, returns the loss
-    ...     return lambda: forward_checkpointing(model, idx, targets, checkpointed=k)
-    >>> tradeoff = measure_tradeoff({f"{k} of 6": checkpointing(k) for k in range(7)},
-    ...                             parameters=model.parameters(), device=device)
-    >>> tradeoff
-    Tradeoff(7 variants; forward + backward on cpu, median of 5 interleaved rounds; time relative to '0 of 6')
-    variant  peak memory  kept for backward  median step  time relative
-    0 of 6   25.10 MB     24.80 MB           61.2 ms      1.00x
-    ...
-    >>> tradeoff_curve(tradeoff, caption=...)  # perflab.plots: the compute-memory trade-off curve
+    >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    >>> blocks, x = torch.nn.ModuleList(mlp() for _ in range(4)), torch.randn(512, 64)
+    >>> def forward(checkpointed):             # a variant: runs the forward pass, returns the loss
+    ...     h = x
+    ...     for index, block in enumerate(blocks):
+    ...         h = checkpoint(block, h, use_reentrant=False) if index < checkpointed else block(h)
+    ...     return h.square().mean()
+    >>> tradeoff = measure_tradeoff({f"{k} of 4": lambda k=k: forward(k) for k in range(5)},
+    ...                             parameters=blocks.parameters(), rounds=3)
+    >>> [f"{variant.saved_bytes / 1e6:.2f} MB" for variant in tradeoff.variants]   # kept for backward
+    ['4.85 MB', '3.80 MB', '2.75 MB', '1.70 MB', '0.66 MB']
+    >>> [f"{variant.peak_bytes / 1e6:.2f} MB" for variant in tradeoff.variants]    # peak of forward + backward
+    ['5.31 MB', '4.26 MB', '3.21 MB', '2.17 MB', '2.17 MB']
+    >>> print(f"all 4 blocks recomputed: {tradeoff.relative_time('4 of 4'):.2f}x the time of none")
+    all 4 blocks recomputed: ...x the time of none
+    >>> tradeoff_curve(tradeoff, caption="4 MLP blocks, batch 512")   # perflab.plots: the trade-off curve
+    <Figure size ... with 1 Axes>
 
 A variant's memory is measured once, since it is deterministic: the peak of its forward and
 backward passes, gradients included (``perflab.memory.peak_memory``), and the activations its
@@ -18,23 +28,24 @@ forward pass keeps for backward (``perflab.memory.saved_tensors``, without the w
 anyway). Its time is taken over interleaved rounds, each running every variant once in an order
 that reverses every round, so that a machine that slows down or speeds up in between affects all
 variants alike; ``relative_time`` is the median of the per-round ratios to the first variant.
+
+Used in: lecture 05 (memory checkpointing).
 """
 
 from __future__ import annotations
 
-import html
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from perflab.bench import format_seconds, time_call
+from perflab.bench import format_seconds, interleaved_rounds, median_ratio, time_call
 from perflab.device import pick_device
 from perflab.memory import peak_memory, saved_tensors
-from perflab.tables import text_table
+from perflab.render import Table
 
-_HEADER = ("variant", "peak memory", "kept for backward", "median step", "time relative")
+__all__ = ["Tradeoff", "VariantCost", "measure_tradeoff"]
 
 
 @dataclass(frozen=True)
@@ -67,14 +78,14 @@ class Tradeoff:
     def relative_time(self, label: str) -> float:
         """Median over rounds of this variant's time / the baseline's time in the same round."""
         baseline, variant = self.variants[0], self[label]
-        return statistics.median(t / b for t, b in zip(variant.times, baseline.times))
+        return median_ratio(variant.times, baseline.times)
 
     @property
     def caption(self) -> str:
         return f"forward + backward on {self.device}, median of {len(self.variants[0].times)} interleaved rounds"
 
-    def _rows(self) -> list[tuple[str, ...]]:
-        return [
+    def _table(self) -> Table:
+        rows = [
             (
                 v.label,
                 f"{v.peak_bytes / 1e6:.2f} MB",
@@ -84,19 +95,15 @@ class Tradeoff:
             )
             for v in self.variants
         ]
+        header = ("variant", "peak memory", "kept for backward", "median step", "time relative")
+        caption = f"{len(self.variants)} variants; {self.caption}; time relative to '{self.variants[0].label}'"
+        return Table(header, rows, caption=caption, numeric=(1, 2, 3, 4))
 
     def __repr__(self) -> str:
-        return (
-            f"Tradeoff({len(self.variants)} variants; {self.caption}; time relative to '{self.variants[0].label}')\n"
-            + text_table(_HEADER, self._rows())
-        )
+        return str(self._table())
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{name}</th>" for name in _HEADER)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
-        )
-        return f"<table><caption>{html.escape(self.caption)}</caption><tr>{head}</tr>{body}</table>"
+        return self._table()._repr_html_()
 
 
 def measure_tradeoff(
@@ -136,10 +143,13 @@ def measure_tradeoff(
         memory[label] = (peak.bytes, activations)
 
     labels = list(variants)
-    times: dict[str, list[float]] = {label: [] for label in labels}
-    for round_index in range(rounds):
-        for label in labels if round_index % 2 == 0 else reversed(labels):
-            times[label].append(time_call(lambda: run(variants[label]), device))  # noqa: B023 (called at once)
+    times = interleaved_rounds(
+        [lambda _, forward=forward: time_call(lambda: run(forward), device) for forward in variants.values()],
+        rounds,
+        warmup=False,  # the memory runs above were the warm-up
+    )
     for parameter in parameters:
         parameter.grad = None
-    return Tradeoff(tuple(VariantCost(label, *memory[label], tuple(times[label])) for label in labels), str(device))
+    return Tradeoff(
+        tuple(VariantCost(label, *memory[label], tuple(side)) for label, side in zip(labels, times)), str(device)
+    )

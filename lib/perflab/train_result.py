@@ -1,57 +1,34 @@
 """What a training run measured: speed, where the time went, and what it learned.
 
->>> result = perflab.train.train(perflab.train.NAIVE)
->>> result.samples_per_s, result.val_accuracy
->>> result.phase_shares        # {'data_wait': 0.6, 'h2d': 0.01, 'fwd': 0.12, ...}
->>> result                     # prints a one-line summary; a table in a notebook
+>>> from perflab.train import NAIVE, Workload, train
+>>> tiny = Workload(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, epochs=1)
+>>> result = train(NAIVE, tiny, progress=False)
+>>> result.samples, len(result.steps)          # 60 samples in batches of 32: two steps, each timed by phase
+(60, 2)
+>>> list(result.phase_shares)                  # shares of the training time; "other": what no phase covered
+['data_wait', 'h2d', 'fwd', 'bwd', 'opt', 'log', 'other']
+>>> round(sum(result.phase_shares.values()), 6)
+1.0
+>>> result                                     # a one-line summary; a table in a notebook
+TrainResult(naive: ... samples/s, val accuracy ...%, 60 samples in ... s on ...; time: data_wait ...%, ...)
+>>> TrainResult.from_json(result.to_json()) == result
+True
+
+Used in: lecture 02 (profiling), lab 02.
 """
 
 from __future__ import annotations
 
-import datetime
-import html
 import json
-import platform
-import subprocess
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-import torch
+from perflab.render import Environment, Table
 
-from perflab.device import device_name
+__all__ = ["PHASES", "TrainResult"]
 
 # data_wait: waiting for the next batch; h2d: copy to the device (and uint8 -> float);
 # fwd / bwd / opt: forward, backward, optimizer step; log: losses, metrics and log lines.
 PHASES = ("data_wait", "h2d", "fwd", "bwd", "opt", "log")
-
-
-def _git_commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=Path(__file__).parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def environment(device: torch.device) -> dict:
-    """Where a measurement was taken: enough to tell two machines' results apart."""
-    return {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
-        "commit": _git_commit(),
-    }
 
 
 @dataclass(frozen=True)
@@ -66,7 +43,7 @@ class TrainResult:
     losses: list  # one per step
     train_accuracy: float
     val_accuracy: float
-    environment: dict
+    environment: Environment
 
     @property
     def name(self) -> str:
@@ -93,7 +70,7 @@ class TrainResult:
     def __repr__(self) -> str:
         return (
             f"TrainResult({self.name}: {self.samples_per_s:,.0f} samples/s, val accuracy {self.val_accuracy:.1%}, "
-            f"{self.samples} samples in {self.train_s:.2f} s on {self.environment['device']}; time: {self._shares_text()})"
+            f"{self.samples} samples in {self.train_s:.2f} s on {self.environment.device}; time: {self._shares_text()})"
         )
 
     def _repr_html_(self) -> str:
@@ -106,18 +83,13 @@ class TrainResult:
             ("training time", f"{self.train_s:.2f} s"),
             ("setup (data, caches, model)", f"{self.setup_s:.2f} s"),
             ("time per phase", self._shares_text()),
-            (
-                "measured on",
-                f"{self.environment['device_name']} ({self.environment['device']}), torch "
-                f"{self.environment['torch']}, {self.environment['threads']} threads",
-            ),
         ]
-        body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
-        return f"<table>{body}</table>"
+        return Table((), rows, caption=f"measured on {self.environment}")._repr_html_()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> TrainResult:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**fields | {"environment": Environment.from_dict(fields["environment"])})

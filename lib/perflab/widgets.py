@@ -1,17 +1,37 @@
 """Explorers: drag a control, see a measurement or an exact calculation change.
 
+    >>> from perflab.train import Workload
     >>> from perflab.widgets import data_loading_explorer, float_format_explorer, training_memory_explorer
-    >>> data_loading_explorer()      # workers, batch size, pinned memory, caching -> measured samples/s
-    >>> float_format_explorer()      # a number -> its fp32 / TF32 / bf16 / fp16 bits, rounding error, overflow
-    >>> training_memory_explorer()   # GPT size, batch, sequence, precision... -> where training memory goes
+    >>> tiny = Workload(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, epochs=2)
+    >>> loading = data_loading_explorer(tiny, steps=2)   # workers, batch size, pinned memory, caching -> samples/s
+    >>> list(loading.controls)
+    ['pipeline', 'batch_size', 'num_workers', 'pin_memory']
+    >>> loading.text                 # its plain-text form: the latest measurement
+    'pil, batch 32, 0 workers, pin_memory False: ... samples/s, waiting for data ...% of the time'
+    >>> print(float_format_explorer(0.1).text)   # a number -> its fp32 / TF32 / bf16 / fp16 bits, rounding error
+    format    stored value         bits (sign exponent mantissa)       relative error  flags
+    float32   0.10000000149011612  0 01111011 10011001100110011001101  1.5e-08
+    tfloat32  0.0999755859375      0 01111011 1001100110               2.4e-04
+    bfloat16  0.10009765625        0 01111011 1001101                  9.8e-04
+    float16   0.0999755859375      0 01011 1001100110                  2.4e-04
+    0.1 in each format
+    >>> memory = training_memory_explorer()      # GPT size, batch, sequence, precision... -> where memory goes
+    >>> memory.text
+    'TrainingMemory(estimate: 53.78 MB = parameters 1.85 + gradients 1.85 + optimizer state 3.70 + activations 46.39)'
+    >>> memory.controls["batch_size"].value = 16    # what dragging the slider does: the estimate follows
+    >>> memory.text
+    'TrainingMemory(estimate: 100.03 MB = parameters 1.85 + gradients 1.85 + optimizer state 3.70 + activations 92.64)'
+
+``data_loading_explorer()`` measures the course's own :class:`~perflab.train.Workload` unless given another.
 
 Each is an ``ipywidgets`` box whose plain-text form is its current result: where widgets cannot
 render (a terminal, nbval, a notebook viewer) the cell still shows what the explorer computed.
+
+Used in: lectures 01, 03, 04 and 05.
 """
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable
 
 import ipywidgets as widgets
@@ -21,9 +41,18 @@ import torch
 from perflab.floats import compare_formats
 from perflab.memory_budget import estimate_training_memory, measure_training_memory
 from perflab.models import GPTConfig
+from perflab.render import Table
 from perflab.train import TrainConfig, Workload, train
 
-WARMUP_STEPS = 2  # the first steps of a run start workers and fill caches: not what the knobs change
+__all__ = [
+    "Explorer",
+    "data_loading_explorer",
+    "float_format_explorer",
+    "measure_data_loading",
+    "training_memory_explorer",
+]
+
+_WARMUP_STEPS = 2  # the first steps of a run start workers and fill caches: not what the knobs change
 
 
 class Explorer(widgets.VBox):
@@ -72,8 +101,8 @@ def measure_data_loading(
         persistent_workers=num_workers > 0,
         log_every=1000,
     )
-    result = train(config, workload, progress=False, max_steps=WARMUP_STEPS + steps)
-    steady = result.steps[WARMUP_STEPS:]
+    result = train(config, workload, progress=False, max_steps=_WARMUP_STEPS + steps)
+    steady = result.steps[_WARMUP_STEPS:]
     seconds = sum(sum(step.values()) for step in steady)
     return batch_size * len(steady) / seconds, sum(step["data_wait"] for step in steady) / seconds
 
@@ -96,11 +125,12 @@ def data_loading_explorer(workload: Workload = Workload(), steps: int = 10) -> E
             f"{rate:,.0f} samples/s, waiting for data {waiting:.0%} of the time"
         )
         history.insert(0, line)
-        rows = "".join(f"<tr><td>{html.escape(entry)}</td></tr>" for entry in history[:8])
-        return line, (
-            f"<p><b>{html.escape(line)}</b></p><p><small>measured over {steps} steps after {WARMUP_STEPS} "
-            f"warm-up steps; latest first:</small></p><table>{rows}</table>"
+        tried = Table(
+            (),
+            [(entry,) for entry in history[:8]],
+            caption=f"latest first; measured over {steps} steps after {_WARMUP_STEPS} warm-up steps",
         )
+        return line, tried._repr_html_()
 
     style = {"description_width": "110px"}
     controls = {

@@ -1,12 +1,16 @@
 """The course's data, made on this machine: nothing is downloaded, everything is deterministic.
 
-    >>> from perflab.data import make_image_folder, decode_all, char_corpus, get_batch
-    >>> data = make_image_folder()              # JPEG shapes in the ImageFolder layout, cached
-    >>> corpus = char_corpus()                  # generated English-like text, tokenized by character
+    >>> from perflab.data import char_corpus, make_image_folder
+    >>> make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    ImageFolderSplit(shapes3-32px-20train-4val-seed0: 3 classes, 60 train + 12 val JPEGs of 32x32 at ...)
+    >>> char_corpus()                            # generated English-like text, tokenized by character
+    CharCorpus(43 characters; 900131 train + 100015 val tokens)
 
 ``images``: image classification files (generated shapes, or CIFAR-10 you already have).
 ``formats``: the same images as JPEG, PNG and a raw uint8 array, to compare storage formats.
 ``text``: a text corpus, a character tokenizer, and GPT batches.
+
+Used in: lectures 02, 03, 04, 07 and 08, labs 03 and 05.
 """
 
 from perflab.data.formats import StoredImages, export_formats

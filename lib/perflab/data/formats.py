@@ -1,15 +1,24 @@
 """The same images stored three ways: JPEG (as generated), PNG, and one raw uint8 array (``.npy``).
 
+    >>> import numpy as np
+    >>> from perflab.data import make_image_folder
     >>> from perflab.data.formats import export_formats
-    >>> stored = export_formats(data.train, count=256)      # written once, beside the dataset
-    >>> stored.jpeg[0], stored.png[0], stored.array          # where each format's files are
-    >>> stored.bytes_on_disk                                 # {'JPEG': 553984, 'PNG': 2731008, 'raw .npy': 3145856}
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> stored = export_formats(data.train, count=30)       # written once, beside the dataset
+    >>> stored.jpeg[0].name, stored.png[0].name, stored.array.name   # where each format's files are
+    ('00000.jpg', '00000.png', 'images.npy')
+    >>> stored.bytes_on_disk                                # 30 x 32 x 32 x 3 bytes raw, plus the .npy header
+    {'JPEG': ..., 'PNG': ..., 'raw .npy': 92288}
+    >>> np.load(stored.array, mmap_mode="r").shape
+    (30, 32, 32, 3)
 
 JPEG is lossy and small; decoding it means entropy decoding and an inverse DCT per 8x8 block.
 PNG is lossless and larger; decoding it means inflating zlib streams and undoing the filters.
 The raw array needs no decoding, only its bytes: ``np.load(path, mmap_mode="r")`` maps the
 file, and image ``i`` is the slice ``array[i]``. Which one wins depends on what is scarcer:
 CPU time to decode (JPEG loses) or bytes to read from disk or network (raw arrays lose).
+
+Used in: lecture 03 (data loading).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from perflab.data.images import _build_once
+
+__all__ = ["StoredImages", "export_formats"]
 
 
 @dataclass(frozen=True)

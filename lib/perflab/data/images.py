@@ -1,11 +1,21 @@
 """Image classification data as real JPEG files in the ``torchvision.datasets.ImageFolder`` layout.
 
+    >>> import torchvision
+    >>> from torchvision import transforms
     >>> from perflab.data import make_image_folder, decode_all
-    >>> data = make_image_folder()             # generated once (~10 s on 2 cores), then found in the cache
-    >>> data
-    ImageFolderSplit(shapes10-64px-500train-100val-seed0: 10 classes, 5000 train + 1000 val JPEGs of 64x64 at ...)
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> data                                    # generated once, then found in the cache
+    ImageFolderSplit(shapes3-32px-20train-4val-seed0: 3 classes, 60 train + 12 val JPEGs of 32x32 at ...)
     >>> train_set = torchvision.datasets.ImageFolder(data.train, transform=transforms.ToTensor())
-    >>> images, labels = decode_all(data.val)   # every JPEG decoded once: uint8 [1000, 3, 64, 64], int64 [1000]
+    >>> len(train_set), train_set.classes
+    (60, ['disk', 'square', 'triangle'])
+    >>> images, labels = decode_all(data.val, progress=False)   # every JPEG decoded once
+    >>> images.shape, images.dtype, labels.shape
+    (torch.Size([12, 3, 32, 32]), torch.uint8, torch.Size([12]))
+
+With its defaults, ``make_image_folder()`` makes the course's dataset: 10 classes, 5000 train +
+1000 val JPEGs of 64x64, generated once (about 10 s on 2 cores).
+
 
 Ten classes (disk, square, triangle, ring, cross, star, crescent, stripes, checker, dots), each
 a dark shape of random colour, position, size and rotation on a light gradient of random colour,
@@ -18,6 +28,8 @@ costs in real projects, which is what the course's data-loading lessons measure 
 
 ``cifar10_image_folder`` turns a CIFAR-10 you already have on disk into the same layout.
 Nothing here ever downloads. The cache lives in ``$PERFLAB_DATA``, else ``~/.cache/perflab/data``.
+
+Used in: lecture 02 (profiling), lecture 03 (data loading), lab 03.
 """
 
 from __future__ import annotations
@@ -42,11 +54,22 @@ from PIL import Image, ImageDraw
 from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 
+__all__ = [
+    "DATA_ENV_VAR",
+    "ImageFolderSplit",
+    "STALE_PARTIAL_S",
+    "cifar10_image_folder",
+    "data_root",
+    "decode_all",
+    "make_image_folder",
+    "render_shape",
+]
+
 DATA_ENV_VAR = "PERFLAB_DATA"
-FORMAT_VERSION = 2  # bump whenever the same parameters would produce different files
-MANIFEST = "manifest.json"
-JPEG_QUALITY = 90
-SUPERSAMPLE = 2  # shapes are drawn at twice the size, then box-filtered down: smooth edges at any angle
+_FORMAT_VERSION = 2  # bump whenever the same parameters would produce different files
+_MANIFEST = "manifest.json"
+_JPEG_QUALITY = 90
+_SUPERSAMPLE = 2  # shapes are drawn at twice the size, then box-filtered down: smooth edges at any angle
 STALE_PARTIAL_S = 3600  # an unfinished build this old belongs to a process that died, not one still writing
 
 # Unit shapes (radius about 1, pointing up); each image scales, rotates and places one.
@@ -120,7 +143,7 @@ def _fraction(t: np.ndarray) -> np.ndarray:
 
 
 # Class name -> how to draw its mask. The order fixes which classes ``num_classes < 10`` keeps.
-SHAPES: dict[str, Callable] = {
+_SHAPES: dict[str, Callable] = {
     "disk": _polygon(_CIRCLE),
     "square": _polygon(_SQUARE),
     "triangle": _polygon(_TRIANGLE),
@@ -140,7 +163,7 @@ def _colour(rng: np.random.Generator) -> tuple[int, int, int]:
 
 def _clutter(draw: ImageDraw.ImageDraw, size: int, rng: np.random.Generator, lines: int, blobs: int) -> None:
     for _ in range(lines):
-        draw.line(tuple(rng.uniform(0, size, 4)), fill=_colour(rng), width=int(rng.integers(1, 4)) * SUPERSAMPLE)
+        draw.line(tuple(rng.uniform(0, size, 4)), fill=_colour(rng), width=int(rng.integers(1, 4)) * _SUPERSAMPLE)
     for _ in range(blobs):
         x, y = rng.uniform(0, size, 2)
         _disk(draw, x, y, rng.uniform(0.02, 0.06) * size, fill=_colour(rng))
@@ -150,17 +173,18 @@ def _clutter(draw: ImageDraw.ImageDraw, size: int, rng: np.random.Generator, lin
 def _ink_area(name: str) -> float:
     """The area a shape of radius 1 paints; radii are scaled by ``sqrt(_EQUAL_INK / area)`` to even it out."""
     mask = Image.new("L", (128, 128))
-    SHAPES[name](mask, 64, 64, 32, 0.0)
+    _SHAPES[name](mask, 64, 64, 32, 0.0)
     return float(np.asarray(mask).mean()) / 255 * (128 / 32) ** 2
 
 
 def render_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
     """One ``size`` x ``size`` RGB image of the shape class ``name``, every choice drawn from ``rng``.
 
+    >>> import numpy as np
     >>> render_shape("star", 64, np.random.default_rng(0))
-    <PIL.Image.Image image mode=RGB size=64x64 at 0x7F5430C39350>
+    <PIL.Image.Image image mode=RGB size=64x64 at 0x...>
     """
-    n = size * SUPERSAMPLE
+    n = size * _SUPERSAMPLE
     # Dark ink on light paper, in random colours: with the polarity random too, the course's
     # ResNet-8 stays near chance for 6 epochs; this way it learns the shapes in a few.
     low, high = rng.integers(*_PAPER, 3), rng.integers(*_PAPER, 3)
@@ -175,11 +199,11 @@ def render_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
     radius = rng.uniform(0.22, 0.36) * n * math.sqrt(_EQUAL_INK / _ink_area(name))
     x, y = rng.uniform(0.85 * radius, n - 0.85 * radius, 2)
     mask = Image.new("L", (n, n))
-    SHAPES[name](mask, x, y, radius, rng.uniform(0, 2 * math.pi))
+    _SHAPES[name](mask, x, y, radius, rng.uniform(0, 2 * math.pi))
     canvas.paste(tuple(int(c) for c in rng.integers(*_INK, 3)), mask=mask)
     _clutter(draw, n, rng, lines=int(rng.integers(0, 3)), blobs=0)  # in front: the shape is partly hidden
 
-    pixels = np.asarray(canvas.reduce(SUPERSAMPLE), dtype=np.float32)
+    pixels = np.asarray(canvas.reduce(_SUPERSAMPLE), dtype=np.float32)
     noise = rng.uniform(2, 10) * rng.standard_normal((size, size, 1), dtype=np.float32)
     return Image.fromarray(np.clip(pixels + noise + 0.5, 0, 255).astype(np.uint8))
 
@@ -233,8 +257,8 @@ def _build_once(folder: Path, params: dict, build: Callable[[Path], dict]) -> di
     written, so an interrupted build is never mistaken for a complete one: the next call redoes it.
     """
     with contextlib.suppress(OSError, ValueError):  # no manifest, or a truncated one: build
-        manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("format_version") == FORMAT_VERSION and manifest.get("params") == params:
+        manifest = json.loads((folder / _MANIFEST).read_text())
+        if manifest.get("format_version") == _FORMAT_VERSION and manifest.get("params") == params:
             return manifest
     folder.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{folder.name}.partial-"
@@ -246,9 +270,9 @@ def _build_once(folder: Path, params: dict, build: Callable[[Path], dict]) -> di
     partial.mkdir()
     try:
         start = time.perf_counter()
-        manifest = {"format_version": FORMAT_VERSION, "params": params, **build(partial)}
+        manifest = {"format_version": _FORMAT_VERSION, "params": params, **build(partial)}
         manifest["build_seconds"] = round(time.perf_counter() - start, 3)
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (partial / _MANIFEST).write_text(json.dumps(manifest, indent=2))
         if folder.exists():  # an older format, other parameters, or a build from before this scheme
             shutil.rmtree(folder)
         os.replace(partial, folder)
@@ -266,7 +290,7 @@ def _write_jpegs(
     for split, class_name, index, image in tqdm(samples, total=total, desc=desc, unit="img", disable=not progress):
         path = folder / split / class_name / f"{index:05d}.jpg"  # zero-padded: name order is index order
         path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path, quality=JPEG_QUALITY)
+        image.save(path, quality=_JPEG_QUALITY)
         counts[split] += 1
     return {"train": counts["train"], "val": counts["val"]}
 
@@ -283,17 +307,17 @@ def make_image_folder(
 ) -> ImageFolderSplit:
     """The shapes dataset in ``data_root(root)/<a name made of the parameters>``, generated unless already there.
 
-        >>> data = make_image_folder(num_classes=3, train_per_class=50, val_per_class=10, image_size=32)
-        >>> data.train
-        PosixPath('/home/me/.cache/perflab/data/shapes3-32px-50train-10val-seed0/train')
-        >>> data.classes
-        ('disk', 'square', 'triangle')
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> data.train.relative_to(data_root()).as_posix()     # data_root(): $PERFLAB_DATA, else ~/.cache/perflab/data
+    'shapes3-32px-20train-4val-seed0/train'
+    >>> data.classes
+    ('disk', 'square', 'triangle')
 
     Image ``i`` of a class and split depends only on (``seed``, split, class, ``i``, ``image_size``):
     the same call gives byte-identical files on every machine with the same Pillow and libjpeg.
     """
-    if not (isinstance(num_classes, int) and 1 <= num_classes <= len(SHAPES)):
-        raise ValueError(f"num_classes must be an int from 1 to {len(SHAPES)}, got {num_classes!r}")
+    if not (isinstance(num_classes, int) and 1 <= num_classes <= len(_SHAPES)):
+        raise ValueError(f"num_classes must be an int from 1 to {len(_SHAPES)}, got {num_classes!r}")
     for what, value, smallest in (
         ("train_per_class", train_per_class, 1),
         ("val_per_class", val_per_class, 1),
@@ -310,7 +334,7 @@ def make_image_folder(
         "seed": seed,
     }
     name = f"shapes{num_classes}-{image_size}px-{train_per_class}train-{val_per_class}val-seed{seed}"
-    classes = list(SHAPES)[:num_classes]
+    classes = list(_SHAPES)[:num_classes]
     counts = {"train": train_per_class, "val": val_per_class}
 
     def samples() -> Iterator[tuple[str, str, int, Image.Image]]:
@@ -360,9 +384,17 @@ def cifar10_image_folder(
 ) -> ImageFolderSplit:
     """CIFAR-10 already on disk (the python pickles) as JPEGs in the same layout as ``make_image_folder``.
 
-        >>> data = cifar10_image_folder("~/datasets/cifar-10-batches-py", train_per_class=1000)
-        >>> data
-        ImageFolderSplit(cifar10-1000train-allval: 10 classes, 10000 train + 10000 val JPEGs of 32x32 at ...)
+    Given the folder where the CIFAR-10 pickles were unpacked, it converts them once::
+
+        data = cifar10_image_folder("~/datasets/cifar-10-batches-py", train_per_class=1000)
+        # ImageFolderSplit(cifar10-1000train-allval: 10 classes, 10000 train + 10000 val JPEGs of 32x32 at ...)
+
+    Where there is no CIFAR-10, it says what it expected, and downloads nothing:
+
+    >>> cifar10_image_folder("no-such-folder")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: No CIFAR-10 at no-such-folder: expected the folder cifar-10-batches-py/ ...
 
     The test batch becomes ``val``. ``*_per_class`` keeps the first images of each class, in file
     order (``None``: all of them). Class folders are named after ``batches.meta``'s label names,
@@ -407,9 +439,10 @@ def decode_all(
     ``transform`` (PIL image -> PIL image, a ``transforms.Resize(36)`` say) is applied to each
     image after decoding.
 
-        >>> images, labels = decode_all(data.train)
-        >>> images.shape, images.dtype, labels[:3]
-        (torch.Size([5000, 3, 64, 64]), torch.uint8, tensor([0, 0, 0]))
+    >>> data = make_image_folder(num_classes=3, train_per_class=20, val_per_class=4, image_size=32, progress=False)
+    >>> images, labels = decode_all(data.train, progress=False)
+    >>> images.shape, images.dtype, labels[:3]
+    (torch.Size([60, 3, 32, 32]), torch.uint8, tensor([0, 0, 0]))
 
     Same order, labels and pixels as ``ImageFolder(split_dir)`` with ``PILToTensor``: the
     decode-once cache that takes JPEG decoding out of every epoch (5000 x 64x64 x 3 = 61 MB).

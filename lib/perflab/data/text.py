@@ -1,7 +1,8 @@
 """A character-level text corpus that needs no download, its tokenizer, and batches for a GPT.
 
+    >>> import torch
     >>> from perflab.data import char_corpus, get_batch
-    >>> corpus = char_corpus()                   # ~1 MB of generated English-like text, in ~0.2 s
+    >>> corpus = char_corpus()                   # ~1 MB of generated English-like text, in under a second
     >>> corpus
     CharCorpus(43 characters; 900131 train + 100015 val tokens)
     >>> x, y = get_batch(corpus.train, batch_size=32, block_size=128, generator=torch.Generator().manual_seed(0))
@@ -12,6 +13,8 @@ The text comes from a small probabilistic grammar with structure a small model c
 a bigram model cannot: spelling, "a" vs "an", subject-verb agreement ("the cat sleeps", "the
 cats sleep", "Alice and Bob sleep"), questions with "does"/"do"/"did" and the bare verb,
 quoted speech, capitals after a full stop, and one tense held through each paragraph.
+
+Used in: lecture 04 (mixed precision), lecture 07 (ddp), lecture 08 (flash attention), lab 05.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import random
 from dataclasses import dataclass
 
 import torch
+
+__all__ = ["CharCorpus", "CharTokenizer", "char_corpus", "get_batch", "make_text"]
 
 # (singular, plural) nouns; verbs as (base, third person singular, past).
 _NOUNS = [
@@ -236,7 +241,11 @@ class CharCorpus:
 def char_corpus(text: str | None = None, *, val_fraction: float = 0.1) -> CharCorpus:
     """``text`` (default: ``make_text()``) tokenized by character, its last ``val_fraction`` held out.
 
-    >>> corpus = char_corpus(open("my_book.txt").read())
+    >>> corpus = char_corpus("the cat sat on the mat. " * 20)
+    >>> corpus
+    CharCorpus(11 characters; 432 train + 48 val tokens)
+    >>> corpus.tokenizer
+    CharTokenizer(11 characters: ' .acehmnost')
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
@@ -252,9 +261,13 @@ def get_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``block_size`` tokens, and the same windows shifted by one: the targets.
 
+    >>> import torch
+    >>> corpus = char_corpus("the cat sat on the mat. " * 20)
     >>> x, y = get_batch(corpus.train, 4, 8, generator=torch.Generator().manual_seed(0))
     >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
     (torch.Size([4, 8]), True)
+    >>> corpus.tokenizer.decode(x[0]), corpus.tokenizer.decode(y[0])
+    ('cat sat ', 'at sat o')
     """
     if len(tokens) <= block_size:
         raise ValueError(f"{len(tokens)} tokens hold no window of {block_size} tokens plus a target")

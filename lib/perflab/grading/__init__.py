@@ -14,6 +14,8 @@ scores its points only if the grader measured a pass. What the kernel did in tha
 anywhere else, only ever reaches the grader as data: configurations handed in
 (:mod:`perflab.grading.answers`) or the source of the learner's answer cells, run in a sandboxed
 child that the grader times from outside (:mod:`perflab.grading.child`).
+
+Used in: lab 09.
 """
 
 from perflab.grading.answers import hand_in

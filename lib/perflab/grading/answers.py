@@ -1,14 +1,30 @@
 """Answers handed over as data: printed by a hidden test cell, read and strictly checked by the grader.
 
-    >>> hand_in(final_config=final_config, KEEP_AMP=False)       # in a hidden test cell
+    >>> import contextlib, io
+    >>> from dataclasses import replace
+    >>> from perflab.grading.answers import hand_in, handed_in, train_config
+    >>> from perflab.train import OPTIMIZED
+    >>> final_config = replace(OPTIMIZED, name="final")
+    >>> hand_in(final_config=final_config, KEEP_AMP=False)        # in a hidden test cell
     perflab-hand-in: {"final_config": {"TrainConfig": {"name": "final", ...}}, "KEEP_AMP": false}
-    >>> answers = handed_in(cell.outputs)                         # in the grader, outside the kernel
-    >>> train_config(answers["final_config"])                     # TrainConfig(...), or AnswerError
+    >>> with contextlib.redirect_stdout(io.StringIO()) as printed:
+    ...     hand_in(final_config=final_config, KEEP_AMP=False)
+    >>> outputs = [{"output_type": "stream", "name": "stdout", "text": printed.getvalue()}]   # the cell's outputs
+    >>> answers = handed_in(outputs)                              # in the grader, outside the kernel
+    >>> train_config(answers["final_config"]) == final_config, answers["KEEP_AMP"]
+    (True, False)
+    >>> answers["final_config"]["TrainConfig"]["batch_size"] = True
+    >>> train_config(answers["final_config"])                     # every field must have its declared type
+    Traceback (most recent call last):
+    ...
+    perflab.grading.answers.AnswerError: batch_size must be an int, not True
 
 Nothing is unpickled and no object travels: a configuration is the JSON of its fields, and each
 field must have exactly its declared type (``True`` is not a batch size, ``"64"`` is not 64).
 Whatever the kernel printed is only ever data: a kernel that prints another configuration hands
 in that configuration, measured like any other.
+
+Used in: lab 09.
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ import typing
 
 if typing.TYPE_CHECKING:
     from perflab.train import TrainConfig
+
+__all__ = ["AnswerError", "HAND_IN_MARKER", "boolean", "hand_in", "handed_in", "train_config"]
 
 HAND_IN_MARKER = "perflab-hand-in: "
 

@@ -1,6 +1,6 @@
 """``python -m perflab bench grader``: does the capstone grader decide only from measurements that deserve one?
 
-    $ python -m perflab bench grader --repeats 5 --hogs 2            # quiet, then beside two busy processes
+    $ python -m perflab bench grader --gradings 5 --hogs 2           # quiet, then beside two busy processes
     $ python -m perflab bench grader --autograde 5                   # five real `nbgrader autograde` runs of lab 09
 
 Grades each submission several times, each in a fresh process as during autograde, first on the
@@ -10,6 +10,8 @@ reference every time when quiet, and beside the hogs gives either the quiet verd
 "inconclusive", never a pass to a submission that measures under 2x quiet. ``--autograde`` times
 whole `nbgrader autograde` runs of lab 09's reference solution, from a copy of the course in the
 current folder, with no verdict reused.
+
+Used by perflab.__main__, for the command line's bench grader.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 
 from perflab.train import NAIVE, OPTIMIZED
 
-SUBMISSIONS = {
+__all__ = ["autograde_benchmark", "noise_benchmark"]
+
+_SUBMISSIONS = {
     "reference": OPTIMIZED,
     # Decoded once, but half the batch, a sync and a Python metric every step: about 1.7x here, under the 2x required.
     "under 2x": replace(NAIVE, name="decoded once, batch 16", pipeline="cached", batch_size=16),
@@ -56,7 +60,7 @@ def _row(condition: str, name: str, grade: dict, seconds: float) -> str:
     )
 
 
-def noise_benchmark(repeats: int, hogs: int) -> None:
+def noise_benchmark(gradings: int, hogs: int) -> None:
     print(f"{'machine':<8}{'submission':<11}{'verdict':<14}{'speedup':>8}  90% CI         time")
     for condition in ("quiet", f"{hogs} hogs"):
         busy = (
@@ -68,8 +72,8 @@ def noise_benchmark(repeats: int, hogs: int) -> None:
             ]
         )
         try:
-            for _ in range(repeats):
-                for name, config in SUBMISSIONS.items():
+            for _ in range(gradings):
+                for name, config in _SUBMISSIONS.items():
                     start = time.perf_counter()
                     grade = _grade_in_fresh_process(config)
                     print(_row(condition, name, grade, time.perf_counter() - start), flush=True)

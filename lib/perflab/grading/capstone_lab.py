@@ -1,12 +1,24 @@
 """Lab 09's measured cells, decided from the configurations the notebook handed in, on the course's workload.
 
-    >>> verdicts = grade_capstone_lab({"test_regrade": {"final_config": {"TrainConfig": {...}}}, ...})
-    >>> verdicts["test_regrade"]
-    Verdict(pass: final: 3.21x median speedup over the naive baseline (90% CI 3.02x-3.40x) ...)
+    >>> from dataclasses import asdict
+    >>> import torch
+    >>> from perflab.grading.capstone_lab import grade_capstone_lab
+    >>> from perflab.train import NAIVE
+    >>> handed = {"test_regrade": {"final_config": {"TrainConfig": asdict(NAIVE)}}, "test_data": {}}
+    >>> verdicts = grade_capstone_lab(handed, device=torch.device("cpu"))   # what each graded cell handed in
+    >>> verdicts["test_regrade"]          # decided before anything is timed
+    Verdict(fail: not measured; final_config is the naive baseline's own configuration: 1.00x, nothing to measure)
+    >>> verdicts["test_data"]
+    Verdict(fail: not measured; data_config was not handed in)
+
+Answers that need a measurement are timed on the course's workload, in interleaved one-epoch
+rounds and full runs for accuracy: minutes, during ``nbgrader autograde``.
 
 Every configuration is timed in the same interleaved one-epoch rounds, so that each ratio below
 is a per-round ratio of neighbours; accuracy comes from full runs, only for configurations whose
 speed already passed. Nothing of the learner's notebook runs here: only its answers, as data.
+
+Used by perflab.grading.session.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from perflab.grading.answers import AnswerError, boolean, train_config
 from perflab.grading.verdict import Verdict, noise_problems
 from perflab.memory import saved_tensors
 from perflab.train import NAIVE, TrainConfig, build_model, train
+
+__all__ = ["AMP_MARGIN", "AMP_STEPS", "BATCH_SPEEDUP", "DATA_SPEEDUP", "HANDED_IN", "grade_capstone_lab"]
 
 DATA_SPEEDUP = 1.3  # part 2: decode once, no per-step syncs, same batch
 BATCH_SPEEDUP = 1.2  # part 3: a larger batch over part 2's pipeline

@@ -1,14 +1,27 @@
 """A learner's answer, run in a sandboxed child process that the trusted grader times from outside.
 
-    >>> child = AnswerProcess([("setup", "import torch"), ("answer", learner_source)], handlers="perflab.grading.code_labs")
-    >>> reply, payload, seconds = child.call("lab02_run", steps=4, seed=123)   # the parent's clock, not the child's
-    >>> child.close()
+In the grader, with the lab's cells and the learner's as nbgrader stored them (a child that runs a
+lab's cells takes seconds to start, so this is shown, not run)::
+
+    child = AnswerProcess([("setup", lab_source), ("answer", learner_source)], handlers="perflab.grading.code_labs")
+    reply, payload, seconds = child.call("lab02_run", steps=4, seed=123)   # the parent's clock, not the child's
+    child.close()
 
 The child runs the cells (the lab's own and the learner's), then answers requests: one
 ``handlers`` function each, called with the cells' namespace. The parent thaws the child before a
 request and stops it (SIGSTOP, its whole process tree) as soon as the reply is in, so nothing
 the learner's code starts in the background can run while the other side is measured. Messages
 are length-prefixed frames of JSON plus raw bytes: nothing from the child is ever unpickled.
+
+    >>> import io
+    >>> from perflab.grading.child import read_frame, send_frame
+    >>> pipe = io.BytesIO()
+    >>> send_frame(pipe, {"call": "lab02_run", "args": {"steps": 4, "seed": 123}}, b"raw bytes")
+    >>> _ = pipe.seek(0)
+    >>> read_frame(pipe)
+    ({'call': 'lab02_run', 'args': {'steps': 4, 'seed': 123}}, b'raw bytes')
+
+Used by perflab.grading.code_labs and perflab.grading.data_lab.
 """
 
 from __future__ import annotations
@@ -29,9 +42,11 @@ import psutil
 from perflab.grading.sandbox import pristine_perflab, require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import tree_cpu_seconds
 
+__all__ = ["AnswerProcess", "ChildError", "main", "read_frame", "send_frame"]
+
 _LENGTHS = struct.Struct("<II")
-MAX_HEADER = 1 << 20
-MAX_PAYLOAD = 256 << 20
+_MAX_HEADER = 1 << 20
+_MAX_PAYLOAD = 256 << 20
 
 
 class ChildError(RuntimeError):
@@ -49,7 +64,7 @@ def read_frame(stream) -> tuple[dict, bytes]:
     if len(lengths) < _LENGTHS.size:
         raise EOFError("the other side closed the pipe")
     header_length, payload_length = _LENGTHS.unpack(lengths)
-    if header_length > MAX_HEADER or payload_length > MAX_PAYLOAD:
+    if header_length > _MAX_HEADER or payload_length > _MAX_PAYLOAD:
         raise ChildError(f"a message of {header_length + payload_length:,} bytes is over the limit")
     header = json.loads(stream.read(header_length))
     if not isinstance(header, dict):

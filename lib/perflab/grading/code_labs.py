@@ -1,7 +1,15 @@
 """Labs whose answer is code (02, 03, 06): the learner's cells run in a sandboxed child, timed from outside.
 
-    >>> grade_lab02(cells)   # cells: {"course": {grade_id: source}, "learner": {grade_id: source}}
-    {'test_preprocess_speed': Verdict(pass: preprocess_fast over preprocess: 4.41x median ...)}
+    grade_lab02(cells)   # cells: {"course": {grade_id: source}, "learner": {grade_id: source}}
+    # {'test_preprocess_speed': Verdict(pass: ...)}, after interleaved rounds in two sandboxed children
+
+That grading starts two children and times them in interleaved rounds (minutes), so it is shown,
+not run. The course's own cells run in this process, with ``run_cells``:
+
+    >>> from perflab.grading.code_labs import run_cells
+    >>> cells = {"setup": "import math", "answer": "area = math.pi * 2**2"}    # grade_id -> source
+    >>> round(run_cells(cells, ["setup", "answer"])["area"], 3)
+    12.566
 
 The trusted side runs the course's own cells (the lab's machinery and the reference solution)
 in this process; the child runs the same machinery and the learner's answer cells, as nbgrader
@@ -9,6 +17,8 @@ stored them. Every round draws fresh seeds here, which the child learns only wit
 the child's results are checked against the reference's for those seeds, and the time is read
 on this side's clock, around the request, while the other side is stopped. ``child_*`` functions
 are the child's side of each request.
+
+Used by perflab.grading.session and perflab.grading.data_lab.
 """
 
 from __future__ import annotations
@@ -18,13 +28,34 @@ import random
 
 import torch
 
-from perflab.bench import Comparison, Timing
+from perflab.bench import Comparison, Timing, interleaved_rounds
 from perflab.device import synchronize
 from perflab.grading.child import AnswerProcess, ChildError
 from perflab.grading.verdict import LoadMeter, Verdict, noise_problems, own_cpu_seconds
 
-HANDLERS = __name__
-_seeds = random.SystemRandom()
+__all__ = [
+    "LAB02_MACHINERY",
+    "LAB02_TRANSFORMS",
+    "LAB06_ANSWERS",
+    "LAB06_MACHINERY",
+    "LAB06_STEPS",
+    "answer_child",
+    "child_lab02_outputs",
+    "child_lab02_run",
+    "child_lab06_minimum",
+    "child_lab06_prepare",
+    "child_lab06_setup",
+    "child_lab06_state",
+    "child_lab06_steps",
+    "grade_lab02",
+    "grade_lab06",
+    "grader_seeds",
+    "measure_until_decided",
+    "run_cells",
+]
+
+_HANDLERS = __name__
+grader_seeds = random.SystemRandom()  # seeds a learner cannot predict, drawn per round
 
 
 def run_cells(sources: dict[str, str], names: list[str], namespace: dict | None = None) -> dict:
@@ -35,8 +66,8 @@ def run_cells(sources: dict[str, str], names: list[str], namespace: dict | None 
     return namespace
 
 
-def _child(
-    cells: dict, machinery: list[str], answers: list[str], handlers: str = HANDLERS, side: str = "learner"
+def answer_child(
+    cells: dict, machinery: list[str], answers: list[str], handlers: str = _HANDLERS, side: str = "learner"
 ) -> AnswerProcess:
     """A child running the lab's ``machinery`` cells, then the ``answers`` cells of ``side``: the learner's or the course's."""
     missing = [name for name in answers if name not in cells[side]]
@@ -51,9 +82,9 @@ def _child(
 def _pair(cells: dict, machinery: list[str], answers: list[str]) -> tuple[AnswerProcess, AnswerProcess]:
     """The course's reference and the learner's answer, each in a child started the same way: the same
     interpreter, allocator history and sandbox on both sides of every ratio."""
-    reference = _child(cells, machinery, answers, side="course")
+    reference = answer_child(cells, machinery, answers, side="course")
     try:
-        return reference, _child(cells, machinery, answers)
+        return reference, answer_child(cells, machinery, answers)
     except ChildError:
         reference.close()
         raise
@@ -64,37 +95,48 @@ def _interleaved(children: tuple[AnswerProcess, AnswerProcess], run, check, *, r
 
     ``run(child, side, seed)`` (side 0: the reference, 1: the learner's) returns (result, seconds by this side's
     clock); ``check(reference result, candidate result)`` returns why the candidate's result is wrong, or None.
+    The first wrong result ends the rounds: the answer fails whatever its time.
     """
-    times: tuple[list[float], list[float]] = ([], [])
+    seeds = [grader_seeds.randrange(2**31) for _ in range(rounds)]
     failures: list[str] = []
+
+    def check_round(_round_index: int, measured: list[list[tuple[object, float]]]) -> bool:
+        failure = check(*(side[-1][0] for side in measured))
+        if failure:
+            failures.append(failure)
+        return bool(failure)
+
     with LoadMeter(ours=lambda: own_cpu_seconds() + sum(child.cpu_seconds() for child in children)) as load:
-        for round_index in range(rounds):
-            seed = _seeds.randrange(2**31)
-            results = [None, None]
-            for side in (0, 1) if round_index % 2 == 0 else (1, 0):
-                results[side], seconds = run(children[side], side, seed)
-                times[side].append(seconds)
-            failure = check(*results)
-            if failure and failure not in failures:
-                failures.append(failure)
-    comparison = Comparison(Timing(labels[0], tuple(times[0])), Timing(labels[1], tuple(times[1])), confidence=0.9)
+        measured = interleaved_rounds(
+            [lambda round_index, side=side: run(children[side], side, seeds[round_index]) for side in (0, 1)],
+            rounds,
+            warmup=False,  # the children warmed up in setup
+            after_round=check_round,
+        )
+    times = [tuple(seconds for _, seconds in side) for side in measured]
+    comparison = Comparison(Timing(labels[0], times[0]), Timing(labels[1], times[1]), confidence=0.9)
     return comparison, failures, load
 
 
 def _ratio_text(comparison: Comparison, what: str) -> str:
-    low, high = comparison.interval
+    try:
+        low, high = comparison.interval
+    except ValueError:  # too few rounds for an interval: they stopped at a wrong result
+        return f"{what}: stopped after {len(comparison.ratios)} round(s), at a result that differs from the reference's"
     return (
         f"{what}: {comparison.speedup:.2f}x median over {len(comparison.ratios)} interleaved rounds "
         f"({comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x)"
     )
 
 
-def _measure(measure_once, rounds: int) -> tuple[Comparison, list[str], list[str]]:
+def measure_until_decided(measure_once, rounds: int) -> tuple[Comparison, list[str], list[str]]:
     """Measure; if noisy, once more with twice the rounds. Returns (comparison, failures, noise problems)."""
     for attempt_rounds in (rounds, 2 * rounds):
         comparison, failures, load = measure_once(attempt_rounds)
+        if failures:  # a wrong result fails however noisy its time
+            return comparison, failures, []
         problems = noise_problems(comparison, load)
-        if failures or not problems:
+        if not problems:
             return comparison, failures, []
     return comparison, failures, problems
 
@@ -123,7 +165,7 @@ def _compare_pair(
     children = _pair(cells, machinery, answers)
     try:
         prepared = setup(children)
-        measured = _measure(lambda n: _interleaved(children, run, check, rounds=n, labels=labels), rounds)
+        measured = measure_until_decided(lambda n: _interleaved(children, run, check, rounds=n, labels=labels), rounds)
         return (*measured, prepared)
     finally:
         for child in children:
@@ -136,7 +178,7 @@ LAB02_TRANSFORMS = ("preprocess", "preprocess_fast")
 
 
 def _lab02_setup(children) -> None:
-    seed = _seeds.randrange(2**31)
+    seed = grader_seeds.randrange(2**31)
     want, got = (
         child.call("lab02_outputs", seed=seed, count=16, transform=name)[1]
         for child, name in zip(children, LAB02_TRANSFORMS)

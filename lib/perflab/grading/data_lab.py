@@ -1,7 +1,7 @@
 """Lab 03's measured cell: the learner's input pipeline against the compute ceiling, the step taken here.
 
-    >>> grade_lab03(cells)
-    {'test_ceiling': Verdict(pass: your pipeline: 98% of the ceiling, median of 15 rounds ...)}
+    grade_lab03(cells)   # cells: {"course": {grade_id: source}, "learner": {grade_id: source}}
+    # {'test_ceiling': Verdict(pass: ...)}, after 15 interleaved rounds against the ceiling: minutes
 
 The learner's ``fast_epoch`` runs in a sandboxed child on a random subset of the course's decoded
 images that it learns only when grading starts, and only makes batches: each batch travels here
@@ -9,6 +9,12 @@ as raw bytes, the training step runs here on it, and then on one of the ceiling'
 this side's clock while the child is stopped. The ceiling's batches, made before the clock starts,
 come from a child of their own by the same road, so that both sides pay the same for the trip. Every batch is checked (outside the clock) to be a
 crop or flipped crop of a subset image with that image's label, each image once per epoch.
+
+    >>> from perflab.grading.data_lab import MIN_SHARE, STEPS_PER_EPOCH
+    >>> MIN_SHARE, STEPS_PER_EPOCH  # a pass: 90% of the ceiling's samples/s, over epochs of 8 steps
+    (0.9, 8)
+
+Used by perflab.grading.session.
 """
 
 from __future__ import annotations
@@ -23,8 +29,20 @@ import torch
 from perflab.bench import Comparison, Timing
 from perflab.device import synchronize
 from perflab.grading.child import AnswerProcess, ChildError
-from perflab.grading.code_labs import _child, _measure, _seeds, run_cells
+from perflab.grading.code_labs import answer_child, grader_seeds, measure_until_decided, run_cells
 from perflab.grading.verdict import LoadMeter, Verdict, own_cpu_seconds
+
+__all__ = [
+    "LAB03_MACHINERY",
+    "MIN_SHARE",
+    "STEPS_PER_EPOCH",
+    "child_lab03_ceiling_next",
+    "child_lab03_load",
+    "child_lab03_load_ceiling",
+    "child_lab03_next",
+    "child_lab03_start",
+    "grade_lab03",
+]
 
 LAB03_MACHINERY = ["colab_setup", "setup"]
 STEPS_PER_EPOCH = 8
@@ -35,7 +53,7 @@ def _digest(image: torch.Tensor) -> bytes:
     return hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=16).digest()
 
 
-def crop_index(images: torch.Tensor) -> dict[bytes, set[int]]:
+def _crop_index(images: torch.Tensor) -> dict[bytes, set[int]]:
     """Each of the 50 crops and flipped crops (32 px of 36) of every image, by its digest: digest -> image indices."""
     index: dict[bytes, set[int]] = {}
     for i, image in enumerate(images.cpu()):
@@ -68,13 +86,13 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
             range(4), namespace["cached_batches"](course_cache.to(device), batch_size=batch_size, seed=0)
         )
     ]
-    subset = torch.randperm(len(course_cache), generator=torch.Generator().manual_seed(_seeds.randrange(2**31)))
+    subset = torch.randperm(len(course_cache), generator=torch.Generator().manual_seed(grader_seeds.randrange(2**31)))
     images, labels = (
         t.index_select(0, subset[: STEPS_PER_EPOCH * batch_size]) for t in (course_cache.images, course_cache.labels)
     )
-    index = crop_index(images)
+    index = _crop_index(images)
     try:
-        child = _child(cells, LAB03_MACHINERY, ["batch_crop_flip", "fast_epoch"], handlers=__name__)
+        child = answer_child(cells, LAB03_MACHINERY, ["batch_crop_flip", "fast_epoch"], handlers=__name__)
     except ChildError as error:
         return {"test_ceiling": Verdict.refused(str(error))}
     ceiling = AnswerProcess([], handlers=__name__)
@@ -127,7 +145,7 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         times: tuple[list[float], list[float]] = ([], [])
         with LoadMeter(ours=lambda: own_cpu_seconds() + child.cpu_seconds() + ceiling.cpu_seconds()) as load:
             for _ in range(n):
-                pipeline_s, ceiling_s, samples, ceiling_samples = epoch(_seeds.randrange(2**31))
+                pipeline_s, ceiling_s, samples, ceiling_samples = epoch(grader_seeds.randrange(2**31))
                 times[0].append(ceiling_s / ceiling_samples)
                 times[1].append(pipeline_s / samples)
         return (
@@ -140,8 +158,8 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         child.call(
             "lab03_load", images.numpy().tobytes() + labels.numpy().tobytes(), count=len(labels), batch_size=batch_size
         )
-        epoch(_seeds.randrange(2**31))  # warm-up
-        comparison, failures, problems = _measure(measure_once, rounds)
+        epoch(grader_seeds.randrange(2**31))  # warm-up
+        comparison, failures, problems = measure_until_decided(measure_once, rounds)
     except ChildError as error:
         return {"test_ceiling": Verdict.refused(str(error))}
     finally:

@@ -9,6 +9,8 @@ bubblewrap sandbox (:mod:`perflab.grading.sandbox`), and ``TrustedMeasurement``,
 kernel has ended and before ``SaveAutoGrades`` reads the outputs, replaces each measured cell's
 output with what the trusted grader measured: a pass prints the measurement, a fail or an
 inconclusive measurement raises it as an error, which scores zero and shows in the feedback.
+
+Used by nbgrader_config.py, the course's nbgrader configuration.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from perflab.grading import MEASURED_CELLS
 from perflab.grading.answers import AnswerError, handed_in
 from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import Verdict
+
+__all__ = ["AUTOGRADE_PREPROCESSORS", "SandboxedExecute", "SandboxedKernelManager", "TrustedMeasurement"]
 
 AUTOGRADE_PREPROCESSORS = [
     "perflab.grading.nbgrader.SandboxedExecute",
@@ -92,7 +96,7 @@ def _grade_id(cell) -> str | None:
     return cell.metadata.get("nbgrader", {}).get("grade_id")
 
 
-def verdict_outputs(verdict: Verdict) -> list:
+def _verdict_outputs(verdict: Verdict) -> list:
     """A pass as printed text (full points); anything else as an error (zero), with what was measured."""
     if verdict.passed:
         return [nbformat.v4.new_output("stream", name="stdout", text=verdict.text() + "\n")]
@@ -197,7 +201,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
             verdicts.update(measured)
         for grade_id, cell in cells.items():
             verdict = verdicts.get(grade_id) or Verdict.refused("the grader gave no verdict for this cell")
-            cell.outputs = verdict_outputs(verdict)
+            cell.outputs = _verdict_outputs(verdict)
             if verdict.status == "inconclusive":
                 self.log.warning(
                     "INCONCLUSIVE: %s / %s / %s scored 0: re-grade it on a quiet machine (%s)",

@@ -1,10 +1,13 @@
 """Learner code runs in a sandbox; the grader's own processes start from a pristine copy of perflab.
 
+    >>> import sys
     >>> from perflab.grading.sandbox import sandbox_command, trusted_python
     >>> sandbox_command(["python", "-c", "print(1)"], workdir="/course/autograded/ada/lab02_profiling",
     ...                 hidden=["/course"])                    # bubblewrap around any command
-    ['bwrap', '--ro-bind', '/', '/', ..., 'python', '-c', 'print(1)']
-    >>> trusted_python("perflab.grading.session")             # python -I -S, perflab from the pristine copy
+    ['bwrap', '--ro-bind', '/', '/', ..., '--tmpfs', '/course', ..., '--unshare-net', ..., 'python', '-c', 'print(1)']
+    >>> command = trusted_python("perflab.grading.session")   # python -I -S, perflab from the pristine copy
+    >>> command[:4] == [sys.executable, "-I", "-S", "-c"], "perflab-pristine-" in command[-1]
+    (True, True)
 
 A sandboxed process (Debian's ``bubblewrap``) sees the whole file system read-only, with the
 course folder hidden (the sources with their solutions and hidden tests, the gradebook, other
@@ -18,6 +21,8 @@ process behind to slow down the next measurement.
 The trusted grading process runs ``python -I -S`` (no current folder or ``PYTHON*`` variables on
 the path, no ``site``: no ``.pth`` file or ``sitecustomize.py`` runs) with perflab imported from a
 copy taken when grading started, so that nothing written during grading reaches it.
+
+Used by perflab.grading.child, perflab.grading.nbgrader and perflab.grading.bench.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 import perflab
+
+__all__ = ["SANDBOX_ENV_VAR", "bwrap_works", "pristine_perflab", "require_sandbox", "sandbox_command", "trusted_python"]
 
 # What a sandboxed process keeps of the environment; ipykernel's JPY_PARENT_PID is left out on purpose: the
 # launcher's pid is another number inside the sandbox, and the kernel would take it for gone and exit.
@@ -54,7 +61,7 @@ _KEPT_ENVIRONMENT = {
 SANDBOX_ENV_VAR = "PERFLAB_GRADING_SANDBOX"
 
 
-def sandbox_wanted() -> bool:
+def _sandbox_wanted() -> bool:
     return os.environ.get(SANDBOX_ENV_VAR, "1") != "0"
 
 
@@ -71,7 +78,7 @@ def bwrap_works() -> bool:
 
 def require_sandbox() -> bool:
     """True when learner code must be sandboxed; raise, saying how to fix it, when it must but cannot be."""
-    if not sandbox_wanted():
+    if not _sandbox_wanted():
         return False
     if not bwrap_works():
         raise RuntimeError(

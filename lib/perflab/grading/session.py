@@ -5,6 +5,8 @@
 The job names the lab and holds the course's cells (from the instructor's source notebook), the
 learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
 in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout.
+
+Used by perflab.grading.nbgrader, which starts it as the trusted grading process.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import sys
 from perflab.grading.answers import AnswerError
 from perflab.grading.verdict import Verdict
 
+__all__ = ["main"]
 
-def grade_job(job: dict, log) -> dict[str, Verdict]:
+
+def _grade_job(job: dict, log) -> dict[str, Verdict]:
     lab = job["lab"]
     if lab == "lab09_capstone":
         from perflab.device import pick_device
@@ -40,7 +44,7 @@ def grade_job(job: dict, log) -> dict[str, Verdict]:
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    verdicts = grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
+    verdicts = _grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
     print(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}))
 
 

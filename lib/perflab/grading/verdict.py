@@ -1,10 +1,18 @@
 """What the trusted grader decided for one graded cell, and whether its measurement deserves a decision.
 
-    >>> with LoadMeter(ours=my_processes_cpu_seconds) as load:
-    ...     comparison = measure()                     # interleaved rounds
-    >>> noise_problems(comparison, load)               # [] when the measurement may decide
-    []
-    >>> Verdict.decide("2.31x faster", failures=[], problems=[])
+    >>> import time
+    >>> from perflab.bench import Comparison, Timing
+    >>> from perflab.grading.verdict import LoadMeter, Verdict, noise_problems
+    >>> with LoadMeter() as load:                      # cores' worth of CPU other processes take meanwhile
+    ...     time.sleep(0.2)                            # where the grader's interleaved rounds would run
+    >>> print(f"other processes: {load.other_cores:.2f} cores")
+    other processes: ... cores
+    >>> rounds = Comparison(Timing("baseline", (2.0, 3.0, 2.0, 4.0, 2.0)), Timing("final", (1.0,) * 5), confidence=0.9)
+    >>> noise_problems(rounds, load)[0]                # seconds made up for the example: rounds that disagree
+    'the rounds disagree: 90% CI 2.00x-4.00x is wider than 1.3x from end to end'
+    >>> Verdict.decide("2.31x faster", failures=[], problems=noise_problems(rounds, load))
+    Verdict(inconclusive: 2.31x faster; inconclusive: re-grade on a quiet machine; the rounds disagree: ...)
+    >>> Verdict.decide("2.31x faster", failures=[], problems=[])   # a measurement that may decide
     Verdict(pass: 2.31x faster)
 
 A speedup measured beside a busy neighbour is not a smaller or larger copy of the quiet one:
@@ -14,6 +22,8 @@ per-round ratios is narrow (``MAX_SPREAD``) and processes other than the grader'
 little CPU while it measured (``MAX_OTHER_LOAD``); otherwise the grader re-measures with more
 rounds and, failing that, says "inconclusive": zero points and a request to re-grade on a quiet
 machine, never a verdict.
+
+Used by perflab.capstone and perflab.grading.
 """
 
 from __future__ import annotations
@@ -26,6 +36,17 @@ from typing import Literal
 import psutil
 
 from perflab.bench import Comparison
+
+__all__ = [
+    "INCONCLUSIVE",
+    "LoadMeter",
+    "MAX_OTHER_LOAD",
+    "MAX_SPREAD",
+    "Verdict",
+    "noise_problems",
+    "own_cpu_seconds",
+    "tree_cpu_seconds",
+]
 
 MAX_SPREAD = 1.3  # the interval's high end over its low end
 MAX_OTHER_LOAD = 0.3  # cores' worth of CPU taken by other processes (steal time included) while measuring

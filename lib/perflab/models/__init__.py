@@ -1,17 +1,20 @@
 """The course's two workloads, each a whole model in one readable file, and two ways to size them.
 
+    >>> import torch
     >>> from perflab.models import GPT, GPTConfig, ResNet, ResNetConfig, count_flops, count_parameters
     >>> model = GPT(GPTConfig(n_layer=2, attention="naive"))
     >>> count_parameters(model)
     445952
-    >>> idx = torch.randint(0, 256, (4, 128))
+    >>> idx = torch.randint(0, 256, (2, 64))
     >>> count_flops(model, idx, idx)         # forward + backward FLOPs of one training step
-    1509949440
-    >>> count_flops(ResNet(), torch.randn(128, 3, 32, 32), backward=False)
-    800227328
+    352321536
+    >>> count_flops(ResNet(ResNetConfig()), torch.randn(8, 3, 32, 32), backward=False)
+    50014208
 
 ``resnet`` is a small CIFAR-style convolutional network, ``gpt`` a small decoder-only
 transformer with three interchangeable attention implementations.
+
+Used in: lectures 02-08, labs 03, 05 and 08.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """A small GPT, the transformer workload of the course, in one file, after Karpathy's nanoGPT.
 
+    >>> import torch
     >>> from perflab.models import GPT, GPTConfig
-    >>> model = GPT(GPTConfig(vocab_size=256, block_size=128, attention="tiled"))
-    >>> idx = torch.randint(0, 256, (8, 128))
+    >>> model = GPT(GPTConfig(vocab_size=256, block_size=128, n_layer=2, attention="tiled"))
+    >>> idx = torch.randint(0, 256, (2, 128))
     >>> logits, loss = model(idx, targets=idx)
     >>> logits.shape
-    torch.Size([8, 128, 256])
-    >>> model.generate(idx[:1, :10], max_new_tokens=20).shape
-    torch.Size([1, 30])
+    torch.Size([2, 128, 256])
+    >>> model.generate(idx[:1, :10], max_new_tokens=5).shape
+    torch.Size([1, 15])
 
 Attention comes in three interchangeable implementations, each a function of ``(B, H, T, D)``
 queries, keys and values that returns ``(B, H, T, D)``:
@@ -19,6 +20,8 @@ queries, keys and values that returns ``(B, H, T, D)``:
 ``GPTConfig(attention=...)`` picks one; they compute the same function, so a model trained
 with one can run with another. Each block runs inside ``record_function("gpt.block{i}")``, a
 named region in profiler traces (eager mode only: ``torch.compile`` drops them).
+
+Used in: lectures 04, 05, 07 and 08, labs 05 and 08.
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "AttentionName",
+    "Block",
+    "CausalSelfAttention",
+    "GPT",
+    "GPTConfig",
+    "MLP",
+    "naive_attention",
+    "sdpa_attention",
+    "tiled_attention",
+]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -64,9 +79,10 @@ def tiled_attention(
     backward pass, so training memory still grows as T x T in total: FlashAttention avoids
     that with a hand-written backward that recomputes the tiles instead.
 
-        >>> q = k = v = torch.randn(2, 4, 1000, 32)
-        >>> torch.allclose(tiled_attention(q, k, v), naive_attention(q, k, v), atol=1e-5)
-        True
+    >>> import torch
+    >>> q = k = v = torch.randn(1, 2, 200, 16)     # 200 tokens: query and key tiles of 64, 64, 64 and 8
+    >>> torch.allclose(tiled_attention(q, k, v), naive_attention(q, k, v), atol=1e-5)
+    True
     """
     if tile_size < 1:
         raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
@@ -106,7 +122,7 @@ def tiled_attention(
 
 
 AttentionName = Literal["naive", "sdpa", "tiled"]
-ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
+_ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
 
 
 @dataclass(frozen=True)
@@ -136,8 +152,8 @@ class GPTConfig:
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
                 "each head gets n_embd // n_head channels"
             )
-        if self.attention not in ATTENTION_NAMES:
-            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_NAMES)}")
+        if self.attention not in _ATTENTION_NAMES:
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(_ATTENTION_NAMES)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 

@@ -1,13 +1,16 @@
 """A small CIFAR-style ResNet, the convolutional workload of the course, in one file.
 
+    >>> import torch
     >>> from perflab.models import ResNet, ResNetConfig
     >>> model = ResNet(ResNetConfig(num_classes=10))
-    >>> images = torch.randn(128, 3, 32, 32)
+    >>> images = torch.randn(16, 3, 32, 32)
     >>> model(images).shape
-    torch.Size([128, 10])
+    torch.Size([16, 10])
     >>> model = model.to(memory_format=torch.channels_last)            # NHWC convolutions
     >>> with torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # mixed precision
     ...     logits = model(images.to(memory_format=torch.channels_last))
+    >>> logits.dtype
+    torch.bfloat16
 
 The layout follows He et al., "Deep Residual Learning for Image Recognition" (2015), section
 4.2: a 3x3 stem, then stages of basic blocks, each stage halving the resolution and widening
@@ -18,6 +21,8 @@ Every block runs inside ``torch.profiler.record_function("resnet.block{i}")`` so
 trace shows where each block's time went (in eager mode: ``torch.compile`` drops these
 regions from the graphs it builds), and can be recomputed in the backward pass instead of
 storing its activations (``checkpoint_blocks=True``).
+
+Used in: lectures 02, 03, 05 and 06, lab 03.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
+
+__all__ = ["BasicBlock", "ResNet", "ResNetConfig"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class ResNetConfig:
 
 
 @contextlib.contextmanager
-def running_statistics_frozen(module: nn.Module) -> Iterator[None]:
+def _running_statistics_frozen(module: nn.Module) -> Iterator[None]:
     """Within this block, BatchNorm layers leave their running mean and variance as they are.
 
     Activation checkpointing runs a block's forward twice, the second time during backward
@@ -83,14 +90,14 @@ def running_statistics_frozen(module: nn.Module) -> Iterator[None]:
             norm.num_batches_tracked.copy_(num_batches_tracked)
 
 
-def checkpoint_keeping_statistics(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _checkpoint_keeping_statistics(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``block(x)``, storing only ``x`` for backward, with running statistics updated once."""
     if torch.compiler.is_compiling():
         # torch.compile traces the recomputation into the backward graph, where buffers are
         # not updated again, and it accepts no custom context_fn.
         return checkpoint(block, x, use_reentrant=False)
     return checkpoint(
-        block, x, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), running_statistics_frozen(block))
+        block, x, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _running_statistics_frozen(block))
     )
 
 
@@ -159,7 +166,7 @@ class ResNet(nn.Module):
         for i, block in enumerate(self.blocks):
             with record_function(f"resnet.block{i}"):
                 if self.config.checkpoint_blocks and self.training:
-                    x = checkpoint_keeping_statistics(block, x)
+                    x = _checkpoint_keeping_statistics(block, x)
                 else:
                     x = block(x)
         x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)

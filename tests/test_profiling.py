@@ -1,14 +1,16 @@
-"""perflab.profile and the pictures drawn from measurements: the trace timeline and the curves."""
+"""perflab.profiling and the pictures drawn from measurements: the trace timeline and the curves."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from dataclasses import replace
 
 import pytest
 from perflab.__main__ import main
 from perflab.plots import throughput_curve, trace_timeline
-from perflab.profile import profile_training
+from perflab.profiling import ProfiledRun, Span, profile_training
 from perflab.train import NAIVE, OPTIMIZED, Workload, train
 from perflab.train_result import PHASES
 
@@ -53,7 +55,7 @@ def test_trace_timeline_draws_the_trace_and_says_what_a_cpu_lacks(profiled):
     assert [label.get_text() for label in ax.get_yticklabels()][0] == "host (CPU)"
     caption = " ".join(text.get_text() for text in figure.texts)
     assert "measured on" in caption
-    if profiled.result.environment["device"] == "cpu":
+    if profiled.result.environment.device == "cpu":
         assert "no separate device row" in caption
     assert len(ax.collections) == len(profiled.phase_spans())  # one bar per span
 
@@ -85,3 +87,10 @@ def test_data_command_prepares_the_course_data(monkeypatch, capsys):
     monkeypatch.setattr(perflab.data, "make_image_folder", lambda: calls.append(1) or small())
     assert main(["data"]) == 0
     assert calls == [1] and "ImageFolderSplit" in capsys.readouterr().out
+
+
+def test_the_old_module_name_still_imports_but_warns(monkeypatch):
+    monkeypatch.delitem(sys.modules, "perflab.profile", raising=False)  # a cached module would not warn again
+    with pytest.warns(DeprecationWarning, match="perflab.profiling"):
+        old = importlib.import_module("perflab.profile")
+    assert (old.Span, old.ProfiledRun, old.profile_training) == (Span, ProfiledRun, profile_training)

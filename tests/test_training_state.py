@@ -1,15 +1,17 @@
-"""perflab.checkpoint: a resumed run continues bit for bit, a crash mid-save keeps the last good state."""
+"""perflab.training_state: a resumed run continues bit for bit, a crash mid-save keeps the last good state."""
 
 from __future__ import annotations
 
+import importlib
 import random
+import sys
 from dataclasses import dataclass
 
 import numpy as np
-import perflab.checkpoint
+import perflab.training_state
 import pytest
 import torch
-from perflab.checkpoint import load_training_state, save_training_state
+from perflab.training_state import load_training_state, save_training_state
 from torch import nn
 
 STEPS, CRASH_AT, BATCH = 24, 11, 16
@@ -121,7 +123,7 @@ def test_a_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, problem, monk
         file.write(b"\x80half a checkpoint")
         raise KeyboardInterrupt("the job was killed mid-save")
 
-    monkeypatch.setattr(perflab.checkpoint.torch, "save", crash_halfway)
+    monkeypatch.setattr(perflab.training_state.torch, "save", crash_halfway)
     with pytest.raises(KeyboardInterrupt):
         save_training_state(path, step=6, **run.objects())
     monkeypatch.undo()
@@ -154,3 +156,10 @@ def test_resuming_without_what_was_saved_is_an_error(tmp_path):
         load_training_state(path, **{**objects, "scheduler": None})
     with pytest.raises(ValueError, match="generators"):
         load_training_state(path, **{**objects, "generators": {}})
+
+
+def test_the_old_module_name_still_imports_but_warns(monkeypatch):
+    monkeypatch.delitem(sys.modules, "perflab.checkpoint", raising=False)  # a cached module would not warn again
+    with pytest.warns(DeprecationWarning, match="perflab.training_state"):
+        old = importlib.import_module("perflab.checkpoint")
+    assert old.save_training_state is save_training_state and old.load_training_state is load_training_state
