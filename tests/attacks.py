@@ -5,8 +5,8 @@
 Each attack starts from the reference solution and changes what a learner controls: the answer
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
 ``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
-measured cell. Lab 09's attacks hand in a trimmed notebook (the expensive read-only runs deleted),
-as a learner may.
+measured cell. Every attack hands in a trimmed notebook (the read-only cells that train or compile
+deleted), as a learner may.
 """
 
 from __future__ import annotations
@@ -241,18 +241,16 @@ perflab.capstone.grade = lambda *args, **kwargs: _Pass()
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
 NEEDS_SANDBOX = {"writes_grader"}
 ATTACKS = {"lab02_profiling": LAB02, "lab03_data_loading": LAB03, "lab06_compile": LAB06, "lab09_capstone": LAB09}
-# What lab 09's trimmed notebooks keep of the read-only cells: the setup, nothing that trains.
-LAB09_KEPT = {"colab_setup", "setup"}
+# What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
+# or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
+# own cells, from its copy of the lab.
+KEPT = {"colab_setup", "setup"}
 
 
 def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:
     """The attack's notebook and the files it hands in beside it (relative path -> text)."""
     notebook = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
     attack = ATTACKS[lab][name]
-    if lab != "lab09_capstone":
-        for grade_id, source in attack.items():
-            _set(notebook, grade_id, source)
-        return notebook, {}
     kept = []
     for cell in notebook.cells:
         nbgrader = cell.metadata.get("nbgrader", {})
@@ -260,13 +258,17 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
             cell.cell_type == "code"
             and nbgrader.get("locked")
             and not nbgrader.get("grade")
-            and _grade_id(cell) not in LAB09_KEPT
+            and _grade_id(cell) not in KEPT
         ):
-            continue  # a learner may delete read-only cells; these train for minutes
+            continue
         kept.append(cell)
-        if _grade_id(cell) == "setup":
+        if _grade_id(cell) == "setup" and lab == "lab09_capstone":
             kept.append(new_code_cell(NAIVE_CONFIGS + attack))
     notebook.cells = kept
+    if lab != "lab09_capstone":
+        for grade_id, source in attack.items():
+            _set(notebook, grade_id, source)
+        return notebook, {}
     for grade_id in ("data_config", "batch_config", "amp_config", "keep_amp", "ckpt_config", "final_config"):
         _set(notebook, grade_id, "# answered above")
     files = {"perflab/__init__.py": SHADOW_PERFLAB} if name == "shadow_module" else {}

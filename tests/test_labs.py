@@ -102,22 +102,35 @@ def _source_digests() -> dict[str, str]:
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent" for path in paths}
 
 
+def _attacks(lab: str) -> list[str]:
+    return [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
+
+
+@pytest.fixture(scope="module")
+def graded_course(released_course, tmp_path_factory):
+    """Every lab's solution, untouched release and attacks handed in, then graded as an instructor would:
+    one `nbgrader autograde`, `generate_feedback` and `export` over every lab (the assignment "*")."""
+    folder = tmp_path_factory.mktemp("graded")
+    course = released_course.copy_to(folder)
+    for lab in LAB_NAMES:
+        course.submit("solved", lab, files_from=course.root / "solutions" / lab)
+        course.submit("untouched", lab, files_from=course.root / "labs" / lab)
+        for name in _attacks(lab):
+            course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
+    before = _source_digests()
+    course.run("autograde", "*", "--force", timeout=3600)
+    course.run("generate_feedback", "*", "--force")
+    course.run("export", "--to", str(folder / "grades.csv"))
+    return course, before, _source_digests(), folder / "grades.csv"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LAB_NAMES)
-def test_grading_round_trip(released_course, tmp_path, lab):
-    """Hand in the solution, the untouched release and every attack; autograde, feedback, export."""
-    course = released_course.copy_to(tmp_path)
-    release = course.root / "labs" / lab
-    course.submit("solved", lab, files_from=course.root / "solutions" / lab)
-    course.submit("untouched", lab, files_from=release)
-    attacks = [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
-    for name in attacks:
-        course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
-    before = _source_digests()
-    course.run("autograde", lab, "--force")
-    course.run("generate_feedback", lab, "--force")
-    course.run("export", "--to", str(tmp_path / "grades.csv"))
-    assert _source_digests() == before, "grading a submission changed perflab's source or the environment"
+def test_grading_round_trip(graded_course, lab):
+    """The solution, the untouched release and every attack, autograded, with feedback and an export."""
+    course, digests_before, digests_after, grades_csv = graded_course
+    attacks = _attacks(lab)
+    assert digests_after == digests_before, "grading a submission changed perflab's source or the environment"
 
     with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
         solved = gradebook.find_submission(lab, "solved")
@@ -159,6 +172,6 @@ def test_grading_round_trip(released_course, tmp_path, lab):
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
         assert "FAIL" in another_task and "accuracy" in another_task, another_task
 
-    with open(tmp_path / "grades.csv") as grades:
+    with open(grades_csv) as grades:
         students = {row["student_id"] for row in csv.DictReader(grades) if row["assignment"] == lab}
     assert students == {"solved", "untouched", *(f"attack_{name}" for name in attacks)}
