@@ -145,6 +145,7 @@ def test_grading_round_trip(graded_course, lab):
         assert not lost, f"the reference solution must get every autograded point; lost: {lost}\n{_errors(course, lab)}"
         assert untouched.code_score == 0, "an untouched release must get no autograded point"
         assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
+        scores = {"solved": solved.score}
         scored = {
             name: {
                 grade.name: grade.score
@@ -172,6 +173,8 @@ def test_grading_round_trip(graded_course, lab):
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
         assert "FAIL" in another_task and "accuracy" in another_task, another_task
 
+    # nbgrader exports a row per student of the course and assignment; a student who handed nothing in scores 0.
     with open(grades_csv) as grades:
-        students = {row["student_id"] for row in csv.DictReader(grades) if row["assignment"] == lab}
-    assert students == {"solved", "untouched", *(f"attack_{name}" for name in attacks)}
+        rows = {row["student_id"]: row for row in csv.DictReader(grades) if row["assignment"] == lab}
+    assert {"solved", "untouched", *(f"attack_{name}" for name in attacks)} <= set(rows)
+    assert float(rows["solved"]["score"]) == scores["solved"] > 0 and float(rows["untouched"]["score"]) == 0
