@@ -23,6 +23,7 @@ Used in: lectures 04-08, labs 04-08.
 from __future__ import annotations
 
 import datetime
+import functools
 import html
 import platform
 import subprocess
@@ -113,6 +114,7 @@ class Table:
         )
 
 
+@functools.cache  # one lookup per process: every training run captures its Environment
 def _git_commit() -> str:
     try:
         return (
