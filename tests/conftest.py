@@ -1,7 +1,7 @@
 """Fixtures shared by the test modules."""
 
 import pytest
-from nbgrader_course import NbgraderCourse
+from perflab.grading.course import NbgraderCourse
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from nbgrader_course import REPO
+from perflab.grading.course import REPO
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -12,10 +12,10 @@ import perflab.capstone
 import perflab.train
 import pytest
 import torch
-from nbgrader_course import REPO
 from perflab.capstone import COURSE_WORKLOAD, CapstoneBenchmark, CapstoneGrade, grade
 from perflab.grading.answers import handed_in, train_config
 from perflab.grading.capstone_lab import grade_capstone_lab
+from perflab.grading.course import REPO
 from perflab.render import Environment
 from perflab.train import NAIVE, OPTIMIZED
 

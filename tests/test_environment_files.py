@@ -6,7 +6,7 @@ import sys
 
 import tomllib
 import yaml
-from nbgrader_course import REPO
+from perflab.grading.course import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
 import environment_files  # noqa: E402  (tools/ is not a package: it is put on the path above)

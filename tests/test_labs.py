@@ -14,8 +14,8 @@ import perflab
 import pytest
 from attacks import ATTACKS, NEEDS_SANDBOX, build_attack
 from nbgrader.api import Gradebook
-from nbgrader_course import LAB_NAMES, REPO, NbgraderCourse
 from perflab.grading import MEASURED_CELLS
+from perflab.grading.course import LAB_NAMES, REPO, NbgraderCourse
 from perflab.grading.sandbox import bwrap_works
 
 REGENERATE = "nbgrader generate_assignment {lab} --force   (or: make labs)"

@@ -6,7 +6,7 @@ import sys
 import nbformat
 import pytest
 from nbgrader.api import Gradebook
-from nbgrader_course import REPO, NbgraderCourse
+from perflab.grading.course import REPO, NbgraderCourse
 
 sys.path.insert(0, str(REPO / "tools"))
 import new_notebook  # noqa: E402  (tools/ is not a package: it is put on the path above)

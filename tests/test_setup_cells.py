@@ -10,7 +10,7 @@ import types
 import nbformat
 import perflab
 import pytest
-from nbgrader_course import REPO
+from perflab.grading.course import REPO
 
 REPOSITORY = "https://github.com/perflab/perflab"
 NOTEBOOKS = sorted([*REPO.glob("lectures/*.ipynb"), *REPO.glob("solutions/*/*.ipynb"), *REPO.glob("labs/*/*.ipynb")])

@@ -1,4 +1,4 @@
-"""The ``perflab`` command: ``python -m perflab doctor``, ``... bench capstone``, ``... bench grader`` or ``... data``."""
+"""The ``perflab`` command: ``python -m perflab doctor``, ``... grade``, ``... bench capstone|grader|grading`` or ``... data``."""
 
 from __future__ import annotations
 
@@ -16,12 +16,36 @@ def main(argv: list[str] | None = None) -> int:
         "doctor", help="measure what this machine can do and print a table to paste into a question"
     )
     doctor_parser.add_argument("--device", help="device to check (default: cuda, then mps, then cpu)")
+    grade_parser = commands.add_parser(
+        "grade",
+        help="autograde every submission of a lab in parallel on Dask, merged into the course's gradebook",
+        description="Run from the course's folder, after `nbgrader collect` (or with submitted/ filled as it fills it).",
+    )
+    grade_parser.add_argument("lab", help="the lab to grade, e.g. lab01_timing")
+    grade_parser.add_argument("--students", nargs="+", metavar="STUDENT", help="only these students (default: all)")
+    where = grade_parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--workers", type=int, default=2, help="worker processes of a Dask cluster on this machine (default 2)"
+    )
+    where.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="an existing Dask cluster's scheduler")
+    grade_parser.add_argument("--force", action="store_true", help="grade again what was graded before")
+    grade_parser.add_argument(
+        "--cell-timeout", type=int, metavar="S", help="seconds a cell may run (default: the course's Execute.timeout)"
+    )
+    grade_parser.add_argument(
+        "--timeout", type=float, default=3600, metavar="S", help="seconds one grading may take (default 3600)"
+    )
+    grade_parser.add_argument(
+        "--attempts", type=int, default=3, help="gradings of a submission whose measurement stays inconclusive"
+    )
+    grade_parser.add_argument("--course", type=Path, default=Path.cwd(), help="the course's folder (default: here)")
     bench_parser = commands.add_parser("bench", help="run one of the course's benchmarks and print its figures")
     bench_parser.add_argument(
         "name",
-        choices=["capstone", "grader"],
+        choices=["capstone", "grader", "grading"],
         help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling; "
-        "grader: the capstone grader's verdicts, quiet and beside CPU hogs",
+        "grader: the capstone grader's verdicts, quiet and beside CPU hogs; "
+        "grading: a class graded serially vs on Dask",
     )
     bench_parser.add_argument(
         "--rounds",
@@ -42,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="grader: instead, N whole `nbgrader autograde` runs of lab 09's reference solution",
     )
+    bench_parser.add_argument("--submissions", type=int, default=24, help="grading: submissions handed in (default 24)")
+    bench_parser.add_argument("--workers", type=int, default=2, help="grading: Dask workers (default 2)")
+    bench_parser.add_argument("--lab", default="lab01_timing", help="grading: an unmeasured lab (default lab01_timing)")
     bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
     bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
     commands.add_parser(
@@ -51,10 +78,34 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("grade-capstone")
     args = parser.parse_args(argv)
 
+    if args.command == "grade":
+        from perflab.grading.whole_class import grade_class
+
+        try:
+            result = grade_class(
+                args.course,
+                args.lab,
+                students=args.students,
+                workers=args.workers,
+                scheduler=args.scheduler,
+                force=args.force,
+                cell_timeout_s=args.cell_timeout,
+                timeout_s=args.timeout,
+                attempts=args.attempts,
+            )
+        except KeyboardInterrupt:
+            print("interrupted: what was merged stays graded; run the same command again to grade the rest")
+            return 130
+        print(result)
+        return 0 if result.complete else 1
     if args.command == "doctor":
         from perflab.doctor import doctor
 
         print(doctor(args.device))
+    elif args.command == "bench" and args.name == "grading":
+        from perflab.grading.bench import grading_benchmark
+
+        print(grading_benchmark(args.submissions, args.workers, args.lab))
     elif args.command == "bench" and args.name == "grader":
         from perflab.grading.bench import autograde_benchmark, noise_benchmark
 

@@ -1,7 +1,9 @@
 """``python -m perflab bench grader``: does the capstone grader decide only from measurements that deserve one?
+``python -m perflab bench grading``: how much faster does a class grade on Dask than in one serial autograde?
 
     $ python -m perflab bench grader --gradings 5 --hogs 2           # quiet, then beside two busy processes
     $ python -m perflab bench grader --autograde 5                   # five real `nbgrader autograde` runs of lab 09
+    $ python -m perflab bench grading --submissions 24 --workers 2   # serial autograde vs perflab.grading.whole_class
 
 Grades each submission several times, each in a fresh process as during autograde, first on the
 quiet machine and then beside CPU hogs (busy processes that are not the grader's), and prints every
@@ -11,24 +13,30 @@ reference every time when quiet, and beside the hogs gives either the quiet verd
 whole `nbgrader autograde` runs of lab 09's reference solution, from a copy of the course in the
 current folder, with no verdict reused.
 
+``grading_benchmark`` hands in N submissions of an unmeasured lab (the reference solution and the
+untouched release, in turn) to two copies of the same course, grades one with a single serial
+``nbgrader autograde`` and the other with :func:`perflab.grading.whole_class.grade_class`, and
+reports both wall times (the Dask cluster's start included), their ratio, and whether the two
+gradebooks hold the same scores.
+
 Used by perflab.__main__, for the command line's bench grader.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from perflab.render import Environment, Table
 from perflab.train import NAIVE, OPTIMIZED
 
-__all__ = ["autograde_benchmark", "noise_benchmark"]
+__all__ = ["GradingBenchmark", "autograde_benchmark", "grading_benchmark", "noise_benchmark"]
 
 _SUBMISSIONS = {
     "reference": OPTIMIZED,
@@ -87,29 +95,19 @@ def autograde_benchmark(runs: int, course: Path = Path.cwd()) -> None:
     """Whole autogrades of lab 09's reference solution, from a copy of the course, each verdict measured afresh."""
     import nbformat
 
+    from perflab.grading.course import NbgraderCourse
+
     lab = "lab09_capstone"
     folder = Path(tempfile.mkdtemp(prefix="perflab-bench-"))
-    shutil.copy(course / "nbgrader_config.py", folder)
-    shutil.copytree(course / "solutions", folder / "solutions")
-    bin_dir = Path(sys.executable).parent  # nbgrader starts `alembic` from PATH: this environment's
-    environment = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    nbgrader = [str(bin_dir / "nbgrader")]
-    subprocess.run(
-        [*nbgrader, "generate_assignment", lab, "--force"], cwd=folder, env=environment, check=True, capture_output=True
-    )
+    copy = NbgraderCourse.copy_of_repo(folder, course=course)
+    copy.release(lab)
     for run in range(1, runs + 1):
-        shutil.rmtree(folder / "submitted", ignore_errors=True)
-        shutil.copytree(folder / "solutions" / lab, folder / "submitted" / "reference" / lab)
+        shutil.rmtree(copy.root / "submitted", ignore_errors=True)
+        copy.submit("reference", lab, copy.root / "solutions" / lab)
         start = time.perf_counter()
-        subprocess.run(
-            [*nbgrader, "autograde", lab, "--force", "--TrustedMeasurement.reuse_verdicts=False"],
-            cwd=folder,
-            env=environment,
-            check=True,
-            capture_output=True,
-        )
+        copy.run("autograde", lab, "--force", "--TrustedMeasurement.reuse_verdicts=False")
         seconds = time.perf_counter() - start
-        notebook = nbformat.read(folder / "autograded" / "reference" / lab / f"{lab}.ipynb", as_version=4)
+        notebook = nbformat.read(copy.root / "autograded" / "reference" / lab / f"{lab}.ipynb", as_version=4)
         verdicts = {
             cell.metadata["nbgrader"]["grade_id"]: (
                 cell.outputs[0].get("text") or "\n".join(cell.outputs[0].get("traceback", []))
@@ -128,3 +126,65 @@ def autograde_benchmark(runs: int, course: Path = Path.cwd()) -> None:
                 )
             )
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class GradingBenchmark:
+    """Serial ``nbgrader autograde`` against the Dask path, on the same submissions of one lab."""
+
+    lab: str
+    submissions: int
+    workers: int
+    serial_s: float
+    dask_s: float
+    same_gradebook: bool
+    environment: Environment
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_s / self.dask_s
+
+    def _table(self) -> Table:
+        rows = [
+            ("serial nbgrader autograde", f"{self.serial_s:.1f}", "1.00x"),
+            (f"Dask, {self.workers} workers", f"{self.dask_s:.1f}", f"{self.speedup:.2f}x"),
+        ]
+        same = "the same scores in both gradebooks" if self.same_gradebook else "THE GRADEBOOKS DIFFER"
+        caption = f"{self.submissions} submissions of {self.lab}; {same}; on {self.environment}"
+        return Table(("grading", "wall s", "speedup"), rows, caption=caption, numeric=("wall s", "speedup"))
+
+    def __repr__(self) -> str:
+        return str(self._table())
+
+    def _repr_html_(self) -> str:
+        return self._table()._repr_html_()
+
+
+def grading_benchmark(submissions: int = 24, workers: int = 2, lab: str = "lab01_timing") -> GradingBenchmark:
+    """Grade the same ``submissions`` serially and on a local Dask cluster of ``workers``; see the module's docstring."""
+    from perflab.grading import MEASURED_CELLS
+    from perflab.grading.course import NbgraderCourse
+    from perflab.grading.whole_class import grade_class
+    from perflab.grading.working_copy import autograde_fields
+
+    if lab in MEASURED_CELLS:
+        raise ValueError(f"{lab} is measured: its gradings run one per machine, so one machine cannot run two at once")
+    with tempfile.TemporaryDirectory(prefix="perflab-bench-grading-") as folder:
+        course = NbgraderCourse.copy_of_repo(Path(folder))
+        release = course.release(lab)
+        students = [f"learner{number:03d}" for number in range(submissions)]
+        for number, student in enumerate(students):
+            course.submit(student, lab, course.root / "solutions" / lab if number % 2 == 0 else release)
+        serial, parallel = course.copy_to(Path(folder, "serial")), course.copy_to(Path(folder, "dask"))
+        start = time.perf_counter()
+        serial.run("autograde", lab, timeout=24 * 3600)
+        serial_s = time.perf_counter() - start
+        start = time.perf_counter()
+        grade_class(parallel.root, lab, workers=workers)
+        dask_s = time.perf_counter() - start
+        same = all(
+            autograde_fields(f"sqlite:///{serial.root / 'gradebook.db'}", lab, student)
+            == autograde_fields(f"sqlite:///{parallel.root / 'gradebook.db'}", lab, student)
+            for student in students
+        )
+    return GradingBenchmark(lab, submissions, workers, serial_s, dask_s, same, Environment.capture("cpu"))

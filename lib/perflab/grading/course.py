@@ -1,22 +1,32 @@
-"""A throwaway nbgrader course built from this repository, for the grading tests.
+"""A throwaway nbgrader course built from this repository, for the grading tests and benchmarks.
 
-course = NbgraderCourse.copy_of_repo(tmp_path)
-course.release_all()                  # every lab, in one nbgrader process
-mine = course.copy_to(other_tmp_path)  # sources, releases and gradebook: a test's own course
+    course = NbgraderCourse.copy_of_repo(tmp_path)
+    course.release_all()                   # every lab, in one nbgrader process
+    course.submit("ada", "lab01_timing", course.root / "solutions" / "lab01_timing")
+    course.run("autograde", "lab01_timing")
+    mine = course.copy_to(other_tmp_path)   # sources, releases and gradebook: a test's own course
+
+It needs a clone of the repository (an editable install): the labs' sources live beside ``lib/``,
+not in the installed package.
+
+Used by perflab.grading.bench and the grading tests (tests/conftest.py, tests/test_labs.py).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
-from perflab.grading.sandbox import SANDBOX_ENV_VAR, bwrap_works
 
-REPO = Path(__file__).resolve().parents[1]
+from perflab.grading.sandbox import SANDBOX_ENV_VAR, bwrap_works
+from perflab.grading.working_copy import nbgrader_environment
+
+__all__ = ["LAB_NAMES", "REPO", "NbgraderCourse"]
+
+REPO = Path(__file__).resolve().parents[3]
 LAB_NAMES = sorted(path.name for path in (REPO / "solutions").iterdir() if path.is_dir())
 
 
@@ -25,26 +35,22 @@ class NbgraderCourse:
         self.root = root
 
     @classmethod
-    def copy_of_repo(cls, parent: Path) -> NbgraderCourse:
+    def copy_of_repo(cls, parent: Path, course: Path = REPO) -> NbgraderCourse:
+        """A new course in ``parent/course`` with the configuration and sources of ``course`` (this repository)."""
         root = parent / "course"
         root.mkdir()
-        shutil.copy(REPO / "nbgrader_config.py", root)
+        shutil.copy(course / "nbgrader_config.py", root)
         shutil.copytree(
-            REPO / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
+            course / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
         )
         return cls(root)
 
     def run(self, *args: str, timeout: float = 900) -> str:
         """Run ``nbgrader ARGS`` here; raise with nbgrader's own output when it fails."""
-        bin_dir = Path(sys.executable).parent
-        # nbgrader starts `alembic` (and kernels start `python`) from PATH: use this environment's.
-        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-        if not bwrap_works():  # the tests that need the sandbox skip, saying so; the rest grade without it
-            env[SANDBOX_ENV_VAR] = "0"
         completed = subprocess.run(
-            [str(bin_dir / "nbgrader"), *args],
+            [str(Path(sys.executable).parent / "nbgrader"), *args],
             cwd=self.root,
-            env=env,
+            env=self.environment(),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -53,6 +59,14 @@ class NbgraderCourse:
         if completed.returncode != 0:
             raise AssertionError(f"`nbgrader {' '.join(args)}` failed ({completed.returncode}):\n{output[-6000:]}")
         return output
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """What nbgrader runs with here: without bubblewrap the sandbox is off, and the tests that need it skip."""
+        env = nbgrader_environment()
+        if not bwrap_works():
+            env[SANDBOX_ENV_VAR] = "0"
+        return env
 
     def copy_to(self, parent: Path) -> NbgraderCourse:
         """This course as it stands (sources, releases, gradebook), copied to ``parent/course``."""

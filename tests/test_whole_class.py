@@ -1,0 +1,295 @@
+"""A whole class graded on Dask: a real scheduler and two workers on loopback, against serial nbgrader autograde."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from perflab.grading.course import NbgraderCourse
+from perflab.grading.whole_class import MEASURED_RESOURCE, ClassGrading, SubmissionGrading, grade_class
+from perflab.grading.working_copy import _failure_reason, autograde_fields, machine_lock
+
+LAB = "lab01_timing"
+CELL_TIMEOUT_S = 5
+DASK = str(Path(sys.executable).parent / "dask")
+
+
+def _grade_id(cell) -> str | None:
+    return cell.metadata.get("nbgrader", {}).get("grade_id")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def scheduler(tmp_path_factory):
+    """``dask scheduler`` and two ``dask worker`` processes on this machine, as an instructor starts them."""
+    from distributed import Client
+
+    folder = tmp_path_factory.mktemp("dask")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    env = dict(NbgraderCourse.environment(), DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    quiet = {"cwd": folder, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    processes = [
+        subprocess.Popen(
+            [DASK, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":")[-1], "--no-dashboard"], **quiet
+        )
+    ]
+    for name in ("worker-a", "worker-b"):
+        processes.append(
+            subprocess.Popen(
+                [
+                    DASK,
+                    "worker",
+                    address,
+                    "--name",
+                    name,
+                    "--nworkers",
+                    "1",
+                    "--nthreads",
+                    "1",
+                    "--resources",
+                    f"{MEASURED_RESOURCE}=1",
+                    "--no-dashboard",
+                ],
+                **quiet,
+            )
+        )
+    with Client(address, timeout=60) as client:
+        client.wait_for_workers(2, timeout=120)
+    yield address, processes[1:]
+    for process in processes:  # nothing of the test's class is left to save: stop at once
+        process.kill()
+        process.wait()
+
+
+def _hanging(solution: Path) -> nbformat.NotebookNode:
+    notebook = nbformat.read(solution / f"{LAB}.ipynb", as_version=4)
+    answer = next(c for c in notebook.cells if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution"))
+    answer.source = "import time\ntime.sleep(3600)"
+    return notebook
+
+
+def _class(released_course, tmp_path, solved: int, untouched: int) -> NbgraderCourse:
+    course = released_course.copy_to(tmp_path)
+    for number in range(solved + untouched):
+        source = course.root / "solutions" / LAB if number < solved else course.root / "labs" / LAB
+        course.submit(f"learner{number}", LAB, source)
+    return course
+
+
+def _log(course: NbgraderCourse) -> list[dict]:
+    path = course.root / ".perflab-grading" / "grading-log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _fields(course: NbgraderCourse, lab: str, students) -> dict:
+    return {s: autograde_fields(f"sqlite:///{course.root / 'gradebook.db'}", lab, s) for s in students}
+
+
+@pytest.mark.slow
+def test_a_class_graded_on_dask_equals_serial_autograde(released_course, scheduler, tmp_path):
+    dask_course = _class(released_course, tmp_path / "dask", solved=2, untouched=2)
+    broken = dask_course.root / "submitted" / "broken" / LAB
+    broken.mkdir(parents=True)
+    (broken / f"{LAB}.ipynb").write_text("{ this is not a notebook")
+    dask_course.submit_notebook("hanging", LAB, _hanging(dask_course.root / "solutions" / LAB), {})
+    serial_course = dask_course.copy_to(tmp_path / "serial")
+    students = sorted(path.name for path in (dask_course.root / "submitted").iterdir())
+
+    with pytest.raises(AssertionError, match="error processing assignment 'lab01_timing' for student 'broken'"):
+        serial_course.run("autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}")
+    result = grade_class(dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=CELL_TIMEOUT_S, progress=False)
+
+    assert _fields(dask_course, LAB, students) == _fields(serial_course, LAB, students)
+    status = {grading.student: grading for grading in result.gradings}
+    assert {s: g.status for s, g in status.items()} == {
+        "broken": "failed",
+        "hanging": "failed",
+        **{f"learner{n}": "graded" for n in range(4)},
+    }
+    assert "NotJSONError" in status["broken"].reason
+    assert "time limit" in status["hanging"].reason
+    assert status["learner0"].score > 0 and status["learner3"].score == 0
+    assert not result.complete and "2 failed" in repr(result)
+    dask_course.run("generate_feedback", LAB)  # feedback and export work as after a serial autograde
+    for course in (serial_course, dask_course):
+        course.run("export", "--to", str(course.root / "grades.csv"))
+    exported = [sorted((c.root / "grades.csv").read_text().splitlines()) for c in (dask_course, serial_course)]
+    assert exported[0] == exported[1]  # the same rows, in the order each gradebook created its submissions
+    assert sorted(p.parent.name for p in (dask_course.root / "feedback").glob(f"*/{LAB}")) == [
+        f"learner{n}" for n in range(4)
+    ]
+
+
+def _grading_worker(workers: list[subprocess.Popen]) -> psutil.Process | None:
+    """The Dask worker process (a child of a `dask worker` nanny) that is running a learner's kernel now."""
+    for nanny in workers:
+        for worker in psutil.Process(nanny.pid).children():
+            try:
+                if any("ipykernel" in " ".join(p.cmdline()) for p in worker.children(recursive=True)):
+                    return worker
+            except psutil.NoSuchProcess:
+                pass
+    return None
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_it_grades_loses_nothing(released_course, scheduler, tmp_path):
+    address, workers = scheduler
+    course = _class(released_course, tmp_path, solved=2, untouched=2)
+    results = []
+    grading = threading.Thread(
+        target=lambda: results.append(grade_class(course.root, LAB, scheduler=address, progress=False))
+    )
+    grading.start()
+    deadline, victim = time.monotonic() + 120, None
+    while victim is None and time.monotonic() < deadline and grading.is_alive():
+        victim = _grading_worker(workers)
+        time.sleep(0.2)
+    assert victim is not None, "no worker was seen grading"
+    victim.kill()
+    grading.join(timeout=600)
+
+    assert [g.status for g in results[0].gradings] == ["graded"] * 4
+    graded = [record["student"] for record in _log(course) if record["status"] == "graded"]
+    assert sorted(graded) == [f"learner{n}" for n in range(4)]  # each once: the killed grading merged nothing
+
+
+@pytest.mark.slow
+def test_an_interrupted_grading_resumes_without_grading_anything_twice(released_course, scheduler, tmp_path):
+    course = _class(released_course, tmp_path, solved=3, untouched=3)
+    command = [sys.executable, "-m", "perflab", "grade", LAB, "--scheduler", scheduler[0], "--course", str(course.root)]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 180
+    while not any(r["status"] == "graded" for r in _log(course)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 130, output
+    assert "run the same command again" in output
+    graded_first = {r["student"] for r in _log(course) if r["status"] == "graded"}
+    assert 1 <= len(graded_first) < 6, graded_first
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    graded = [r["student"] for r in _log(course) if r["status"] == "graded"]
+    assert sorted(graded) == [f"learner{n}" for n in range(6)]  # nothing graded twice, nothing lost
+    skipped = {line.split()[0] for line in second.stdout.splitlines() if line.split()[1:2] == ["skipped"]}
+    assert skipped == graded_first
+
+
+def _trimmed_release(course: NbgraderCourse, lab: str) -> nbformat.NotebookNode:
+    """The untouched release without the read-only cells that train, as a learner may hand it in: quick to grade."""
+    notebook = nbformat.read(course.root / "labs" / lab / f"{lab}.ipynb", as_version=4)
+    notebook.cells = [
+        cell
+        for cell in notebook.cells
+        if not (
+            cell.cell_type == "code"
+            and cell.metadata.get("nbgrader", {}).get("locked")
+            and not cell.metadata["nbgrader"].get("grade")
+            and _grade_id(cell) not in ("colab_setup", "setup")
+        )
+    ]
+    return notebook
+
+
+@pytest.mark.slow
+def test_measured_gradings_never_share_a_machine(released_course, scheduler, tmp_path):
+    lab = "lab09_capstone"
+    course = released_course.copy_to(tmp_path)
+    for student in ("first", "second"):
+        course.submit_notebook(student, lab, _trimmed_release(course, lab), {})
+    result = grade_class(course.root, lab, scheduler=scheduler[0], progress=False)
+
+    assert [g.status for g in result.gradings] == ["graded", "graded"]
+    assert all(g.score == 0 for g in result.gradings)
+    (a, b) = sorted(result.gradings, key=lambda g: g.started)
+    assert a.ended <= b.started, f"two measured gradings overlapped: {a} and {b}"
+
+
+def test_the_summary_reads_as_a_table():
+    result = ClassGrading(
+        "lab01_timing",
+        (
+            SubmissionGrading("ada", "graded", 9, 12, attempts=1, seconds=4.2, host="grader-0"),
+            SubmissionGrading("bob", "failed", 0, 12, attempts=1, seconds=0.3, host="grader-1", reason="not JSON"),
+            SubmissionGrading("cy", "skipped", 12, 12, reason="graded before"),
+        ),
+        wall_s=9.6,
+        workers=2,
+    )
+    assert not result.complete
+    assert repr(result).splitlines()[0].split() == [
+        "student",
+        "status",
+        "points",
+        "attempts",
+        "seconds",
+        "machine",
+        "reason",
+    ]
+    assert "lab01_timing: 1 graded, 1 skipped, 1 failed, 0 inconclusive; 10 s on 2 workers" in repr(result)
+    assert "<td>not JSON</td>" in result._repr_html_()
+
+
+@pytest.mark.parametrize(
+    ("log", "reason"),
+    [
+        (
+            "[AutogradeApp | ERROR] Traceback\n    raise NotJSONError(m)\nnbformat.reader.NotJSONError: not JSON: '{'\n"
+            "[AutogradeApp | WARNING] Removing failed assignment",
+            "nbformat.reader.NotJSONError: not JSON: '{'",
+        ),
+        (
+            "[AutogradeApp | ERROR] Timeout waiting for execute reply (10s).\nnbclient.exceptions.CellTimeoutError: A "
+            "cell timed out",
+            "a cell ran past its time limit and nbgrader stopped grading (nbclient's CellTimeoutError)",
+        ),
+        ("killed", "nbgrader failed without naming an exception"),
+    ],
+)
+def test_a_failed_grading_says_why_in_nbgraders_words(log, reason):
+    assert _failure_reason(log) == reason
+
+
+def _hold(path: str, exclusive: bool, held: multiprocessing.Event, release: multiprocessing.Event) -> None:
+    with machine_lock(exclusive, Path(path)):
+        held.set()
+        release.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "waits"), [(True, False, True), (False, True, True), (False, False, False)]
+)
+def test_a_measured_grading_has_the_machine_to_itself(tmp_path, first, second, waits):
+    lock = str(tmp_path / "machine.lock")
+    context = multiprocessing.get_context("fork")  # the child needs nothing imported anew
+    held, release, second_held = context.Event(), context.Event(), context.Event()
+    holder = context.Process(target=_hold, args=(lock, first, held, release))
+    holder.start()
+    assert held.wait(30)
+    other = context.Process(target=_hold, args=(lock, second, second_held, context.Event()))
+    other.start()
+    assert second_held.wait(2) is not waits  # an exclusive lock waits for, or keeps out, any other grading
+    release.set()
+    holder.join(30)
+    assert second_held.wait(30)
+    other.kill()
+    other.join()
+    assert os.path.exists(lock)
