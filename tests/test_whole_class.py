@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import multiprocessing
 import os
@@ -111,9 +112,14 @@ def test_a_class_graded_on_dask_equals_serial_autograde(released_course, schedul
     serial_course = dask_course.copy_to(tmp_path / "serial")
     students = sorted(path.name for path in (dask_course.root / "submitted").iterdir())
 
-    with pytest.raises(AssertionError, match="error processing assignment 'lab01_timing' for student 'broken'"):
-        serial_course.run("autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}")
-    result = grade_class(dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=CELL_TIMEOUT_S, progress=False)
+    # Lab 01 is unmeasured, so its scores do not depend on the load: the serial reference grades meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(1) as serial:
+        serial_run = serial.submit(serial_course.run, "autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}")
+        result = grade_class(
+            dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=CELL_TIMEOUT_S, progress=False
+        )
+        with pytest.raises(AssertionError, match="error processing assignment 'lab01_timing' for student 'broken'"):
+            serial_run.result()
 
     assert _fields(dask_course, LAB, students) == _fields(serial_course, LAB, students)
     status = {grading.student: grading for grading in result.gradings}
@@ -172,7 +178,7 @@ def test_a_worker_killed_while_it_grades_loses_nothing(released_course, schedule
 
 @pytest.mark.slow
 def test_an_interrupted_grading_resumes_without_grading_anything_twice(released_course, scheduler, tmp_path):
-    course = _class(released_course, tmp_path, solved=3, untouched=3)
+    course = _class(released_course, tmp_path, solved=2, untouched=2)
     command = [sys.executable, "-m", "perflab", "grade", LAB, "--scheduler", scheduler[0], "--course", str(course.root)]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 180
@@ -183,12 +189,12 @@ def test_an_interrupted_grading_resumes_without_grading_anything_twice(released_
     assert first.returncode == 130, output
     assert "run the same command again" in output
     graded_first = {r["student"] for r in _log(course) if r["status"] == "graded"}
-    assert 1 <= len(graded_first) < 6, graded_first
+    assert 1 <= len(graded_first) < 4, graded_first
 
     second = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     graded = [r["student"] for r in _log(course) if r["status"] == "graded"]
-    assert sorted(graded) == [f"learner{n}" for n in range(6)]  # nothing graded twice, nothing lost
+    assert sorted(graded) == [f"learner{n}" for n in range(4)]  # nothing graded twice, nothing lost
     skipped = {line.split()[0] for line in second.stdout.splitlines() if line.split()[1:2] == ["skipped"]}
     assert skipped == graded_first
 

@@ -202,14 +202,15 @@ def _client(workers: int, scheduler: str | None):
 
     if scheduler:
         return Client(scheduler), None
-    with dask.config.set({"distributed.worker.daemon": False}):
-        cluster = LocalCluster(
-            n_workers=workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            resources={MEASURED_RESOURCE: 1},
-        )
+    # Each grading is a process of its worker's: workers must not be daemonic, now or when a nanny restarts one.
+    dask.config.set({"distributed.worker.daemon": False})
+    cluster = LocalCluster(
+        n_workers=workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        resources={MEASURED_RESOURCE: 1},
+    )
     return Client(cluster), cluster
 
 
