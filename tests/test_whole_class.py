@@ -19,7 +19,7 @@ import psutil
 import pytest
 from perflab.grading.course import NbgraderCourse
 from perflab.grading.whole_class import MEASURED_RESOURCE, ClassGrading, SubmissionGrading, grade_class
-from perflab.grading.working_copy import _failure_reason, autograde_fields, machine_lock
+from perflab.grading.working_copy import Graded, _failure_reason, autograde_fields, machine_lock
 
 LAB = "lab01_timing"
 CELL_TIMEOUT_S = 5
@@ -299,3 +299,56 @@ def test_a_measured_grading_has_the_machine_to_itself(tmp_path, first, second, w
     other.kill()
     other.join()
     assert os.path.exists(lock)
+
+
+def _graded_without_a_kernel(submission, now: float) -> Graded:
+    """What a grading hands back, made up: an empty autograded notebook."""
+    notebook = nbformat.v4.new_notebook()
+    return Graded(
+        submission.student,
+        "graded",
+        files={"lab09_capstone.ipynb": (nbformat.writes(notebook).encode(), 0o444)},
+        started=now,
+        ended=now,
+        worker="stub",
+    )
+
+
+@pytest.mark.slow
+def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_course, tmp_path, monkeypatch):
+    """Workers in this process (threads), so that a stand-in grading can say "inconclusive" on cue."""
+    from distributed import LocalCluster
+    from perflab.grading import whole_class
+
+    course = released_course.copy_to(tmp_path)
+    for student in ("steady", "noisy"):
+        course.submit(student, "lab09_capstone", course.root / "labs" / "lab09_capstone")
+
+    def noisy_for_one(bundle, submission, **_):
+        now = time.time()
+        if submission.student == "noisy":
+            return Graded(
+                submission.student,
+                "inconclusive",
+                "measured too noisily to decide: test_regrade",
+                started=now,
+                ended=now,
+                worker="a noisy machine",
+            )
+        return _graded_without_a_kernel(submission, now)
+
+    monkeypatch.setattr(whole_class, "grade_in_working_copy", noisy_for_one)
+    with LocalCluster(
+        n_workers=2, processes=False, dashboard_address=None, resources={MEASURED_RESOURCE: 1}
+    ) as cluster:
+        result = grade_class(
+            course.root, "lab09_capstone", scheduler=cluster.scheduler_address, attempts=3, progress=False
+        )
+
+    assert [r["student"] for r in _log(course)].count("steady") == 1
+    status = {g.student: g for g in result.gradings}
+    assert status["noisy"].status == "inconclusive" and status["noisy"].attempts == 3
+    assert status["noisy"].score is None and status["steady"].status == "graded"
+    assert not (course.root / "autograded" / "noisy").exists(), "an inconclusive grading must not be merged"
+    assert [r["status"] for r in _log(course) if r["student"] == "noisy"] == ["inconclusive"] * 3
+    assert not result.complete

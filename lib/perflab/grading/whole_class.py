@@ -323,16 +323,17 @@ def grade_class(
                     graded = future.result()
                 except Exception as error:  # the worker died too often (KilledWorker), or the task could not run
                     graded = Graded(student, "failed", reason=f"{type(error).__name__}: {error}"[:300])
-                if graded.status == "inconclusive" and attempt < attempts:
+                merged = graded.status != "inconclusive"  # an inconclusive measurement is never scored
+                if merged:
+                    _merge(coursedir, lab, graded)
+                elif attempt < attempts:
                     say(f"  again    {student}: {graded.reason}; attempt {attempt + 1} of {attempts}")
                     queue.add(submit(student, attempt + 1, avoid=graded.worker))
-                elif graded.status != "inconclusive":
-                    _merge(coursedir, lab, graded)
                 seconds = graded.ended - graded.started
                 record = SubmissionGrading(
                     student,
                     graded.status,
-                    *(_score(coursedir, lab, student) if graded.gradebook else (None, None)),
+                    *(_score(coursedir, lab, student) if merged and graded.gradebook else (None, None)),
                     attempts=attempt,
                     seconds=seconds,
                     started=graded.started,
