@@ -339,7 +339,7 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
 
     monkeypatch.setattr(whole_class, "grade_in_working_copy", noisy_for_one)
     with LocalCluster(
-        n_workers=2, processes=False, dashboard_address=None, resources={MEASURED_RESOURCE: 1}
+        n_workers=2, processes=False, dashboard_address=":0", resources={MEASURED_RESOURCE: 1}
     ) as cluster:
         result = grade_class(
             course.root, "lab09_capstone", scheduler=cluster.scheduler_address, attempts=3, progress=False

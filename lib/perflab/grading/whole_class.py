@@ -208,7 +208,7 @@ def _client(workers: int, scheduler: str | None):
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",
         resources={MEASURED_RESOURCE: 1},
     )
     return Client(cluster), cluster
