@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from perflab.distributed import free_port
 from perflab.grading.course import REPO
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
@@ -32,12 +32,6 @@ CELL_TIMEOUT_MS = 180_000
 RETRIES, RETRY_AFTER_MS = 3, 15_000
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory):
     """JupyterLab on a loopback port, serving a temporary copy of the course, with no token."""
@@ -48,7 +42,7 @@ def jupyterlab(tmp_path_factory):
     settings.mkdir(parents=True)
     # Every cell in the page, not only those in view: the test finds cells by their text.
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    port = _free_port()
+    port = free_port()
     bin_dir = Path(sys.executable).parent
     env = dict(
         os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", JUPYTER_RUNTIME_DIR=str(root / ".runtime")

@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from perflab.distributed import free_port
 from perflab.grading.course import NbgraderCourse
 from perflab.grading.whole_class import MEASURED_RESOURCE, ClassGrading, SubmissionGrading, grade_class
 from perflab.grading.working_copy import Graded, _failure_reason, autograde_fields, machine_lock
@@ -30,19 +30,13 @@ def _grade_id(cell) -> str | None:
     return cell.metadata.get("nbgrader", {}).get("grade_id")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory):
     """``dask scheduler`` and two ``dask worker`` processes on this machine, as an instructor starts them."""
     from distributed import Client
 
     folder = tmp_path_factory.mktemp("dask")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     env = dict(NbgraderCourse.environment(), DASK_DISTRIBUTED__WORKER__DAEMON="False")
     quiet = {"cwd": folder, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     processes = [

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from perflab.render import Markup, Table
 
-__all__ = ["Launch", "LaunchFailed", "RankFailure", "launch", "run_as_one_rank", "torchrun_command"]
+__all__ = ["Launch", "LaunchFailed", "RankFailure", "free_port", "launch", "run_as_one_rank", "torchrun_command"]
 
 # torchrun's summary of a failed job lists each failed rank with its exit code.
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
@@ -288,7 +288,8 @@ def _failures(console: str, errors: dict[int, tuple[int, str]]) -> tuple[RankFai
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -312,7 +313,7 @@ def run_as_one_rank(script: str | os.PathLike, *args) -> None:
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     saved_env = {name: os.environ.get(name) for name in torchrun_env}
     saved_argv, saved_path = sys.argv, list(sys.path)

@@ -49,7 +49,14 @@ from pathlib import Path
 import dask
 
 from perflab.grading import MEASURED_CELLS
-from perflab.grading.working_copy import CourseBundle, Graded, Submission, grade_in_working_copy
+from perflab.grading.working_copy import (
+    CourseBundle,
+    Graded,
+    Submission,
+    grade_in_working_copy,
+    read_folder,
+    write_folder,
+)
 from perflab.render import Table
 
 __all__ = ["MEASURED_RESOURCE", "ClassGrading", "SubmissionGrading", "grade_class"]
@@ -137,10 +144,6 @@ def _gradebook_copy(db_url: str) -> bytes:
         return copy.serialize()
 
 
-def _folder_files(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _already_graded(coursedir, lab: str, student: str) -> bool:
     """As ``nbgrader autograde`` decides it: an autograded folder exists, and nothing newer was handed in since."""
     graded = Path(coursedir.format_path(coursedir.autograded_directory, student, lab))
@@ -151,10 +154,12 @@ def _already_graded(coursedir, lab: str, student: str) -> bool:
     return not (handed_in is not None and graded_at is not None and handed_in > graded_at)
 
 
-def _merge(coursedir, lab: str, graded: Graded) -> None:
-    """Write what a grading produced into the course: gradebook fields first, the autograded folder last."""
+def _merge(coursedir, lab: str, graded: Graded) -> tuple[float | None, float | None]:
+    """Write what a grading produced into the course: gradebook fields first, the autograded folder last.
+    Returns the submission's score and maximum, as the gradebook now holds them (none when it was not written)."""
     from nbgrader.api import Gradebook
 
+    score = None, None
     if graded.gradebook is not None:
         # nbgrader's own update_or_create_submission warns that SQLAlchemy's autoflush skipped an object it adds next.
         with Gradebook(coursedir.db_url, coursedir.course_id) as gradebook, warnings.catch_warnings():
@@ -171,18 +176,17 @@ def _merge(coursedir, lab: str, graded: Graded) -> None:
                 for comment in notebook.comments:
                     comment.auto_comment = fields["comments"][comment.name]
             gradebook.db.commit()
+            score = submission.score, submission.max_score
     destination = Path(coursedir.format_path(coursedir.autograded_directory, graded.student, lab))
     if graded.status != "graded":  # as nbgrader leaves a failed submission: no autograded folder
         shutil.rmtree(destination, ignore_errors=True)
-        return
+        return score
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{lab}-", dir=destination.parent))
-    for relative, (content, mode) in graded.files.items():
-        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-        (staging / relative).write_bytes(content)
-        (staging / relative).chmod(mode)
+    write_folder(staging, graded.files)
     shutil.rmtree(destination, ignore_errors=True)
     staging.rename(destination)
+    return score
 
 
 def _score(coursedir, lab: str, student: str) -> tuple[float | None, float | None]:
@@ -278,7 +282,7 @@ def grade_class(
         measured=lab in MEASURED_CELLS,
         config=(course / "nbgrader_config.py").read_text(),
         source_directory=coursedir.source_directory,
-        source_files=_folder_files(source),
+        source_files=read_folder(source),
         gradebook=_gradebook_copy(coursedir.db_url),
         cache_dir=str(course / ".perflab-grading"),
     )
@@ -297,12 +301,12 @@ def grade_class(
 
         def submit(student: str, attempt: int, avoid: str = ""):
             folder = Path(coursedir.format_path(coursedir.submitted_directory, student, lab))
-            others = [address for address in client.scheduler_info()["workers"] if address != avoid]
-            elsewhere = {"workers": others, "allow_other_workers": True} if avoid and others else {}
+            others = [address for address in client.scheduler_info()["workers"] if address != avoid] if avoid else []
+            elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
             future = client.submit(
                 grade_in_working_copy,
                 bundle_future,
-                Submission(student, lab, _folder_files(folder)),
+                Submission(student, lab, read_folder(folder)),
                 cell_timeout_s=cell_timeout_s,
                 timeout_s=timeout_s,
                 key=f"grade-{lab}-{student}-{attempt}-{run}",  # a later run never meets this run's tasks
@@ -323,9 +327,9 @@ def grade_class(
                     graded = future.result()
                 except Exception as error:  # the worker died too often (KilledWorker), or the task could not run
                     graded = Graded(student, "failed", reason=f"{type(error).__name__}: {error}"[:300])
-                merged = graded.status != "inconclusive"  # an inconclusive measurement is never scored
-                if merged:
-                    _merge(coursedir, lab, graded)
+                score = None, None
+                if graded.status != "inconclusive":  # an inconclusive measurement is never scored
+                    score = _merge(coursedir, lab, graded)
                 elif attempt < attempts:
                     say(f"  again    {student}: {graded.reason}; attempt {attempt + 1} of {attempts}")
                     queue.add(submit(student, attempt + 1, avoid=graded.worker))
@@ -333,7 +337,7 @@ def grade_class(
                 record = SubmissionGrading(
                     student,
                     graded.status,
-                    *(_score(coursedir, lab, student) if merged and graded.gradebook else (None, None)),
+                    *score,
                     attempts=attempt,
                     seconds=seconds,
                     started=graded.started,

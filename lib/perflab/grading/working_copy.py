@@ -1,7 +1,7 @@
 """One submission graded by the real ``nbgrader autograde``, in a course of its own, on whichever machine runs it.
 
     >>> from perflab.grading.working_copy import Submission
-    >>> Submission("ada", "lab01_timing", {"lab01_timing.ipynb": b"{}", "timestamp.txt": b"2026-11-24 10:00:00"})
+    >>> Submission("ada", "lab01_timing", {"lab01_timing.ipynb": (b"{}", 0o644), "timestamp.txt": (b"2026-11-24", 0o644)})
     Submission(ada / lab01_timing: 2 files)
 
 ``grade_in_working_copy(bundle, submission)`` is what a Dask worker runs for each submission
@@ -47,6 +47,8 @@ __all__ = [
     "grade_in_working_copy",
     "machine_lock",
     "nbgrader_environment",
+    "read_folder",
+    "write_folder",
 ]
 
 # Dask's nanny caps the threads of each worker process at one (pre-spawn-environ): right for gradings that
@@ -66,7 +68,7 @@ class CourseBundle:
     measured: bool
     config: str  # the text of nbgrader_config.py
     source_directory: str  # the name of the sources' folder, from the course's configuration
-    source_files: dict[str, bytes]  # the lab's source folder: relative path -> content
+    source_files: dict[str, tuple[bytes, int]]  # the lab's source folder, as read_folder reads it
     gradebook: bytes  # a consistent copy of the course's SQLite gradebook
     cache_dir: str  # where the trusted grader keeps what it measured once (the course's, when the worker sees it)
 
@@ -81,7 +83,7 @@ class Submission:
 
     student: str
     lab: str
-    files: dict[str, bytes]  # relative path -> content, timestamp.txt included
+    files: dict[str, tuple[bytes, int]]  # the handed-in folder as read_folder reads it, timestamp.txt included
 
     def __repr__(self) -> str:
         return f"Submission({self.student} / {self.lab}: {len(self.files)} files)"
@@ -126,14 +128,17 @@ def machine_lock(exclusive: bool, path: Path = _LOCK_FILE) -> contextlib.Abstrac
     return held()
 
 
-def _write_files(folder: Path, files: dict[str, bytes]) -> None:
-    for relative, content in files.items():
+def write_folder(folder: Path, files: dict[str, tuple[bytes, int]]) -> None:
+    """Write ``files`` (relative path -> content and permission bits) under ``folder``."""
+    for relative, (content, mode) in files.items():
         path = folder / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content)
+        path.chmod(mode)
 
 
-def _read_files(folder: Path) -> dict[str, tuple[bytes, int]]:
+def read_folder(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``folder``: relative path -> content and permission bits; empty when there is no folder."""
     if not folder.is_dir():
         return {}
     return {
@@ -249,9 +254,9 @@ def grade_in_working_copy(
         started = time.time()
         root = Path(folder)
         (root / "nbgrader_config.py").write_text(bundle.config)
-        _write_files(root / bundle.source_directory / bundle.lab, bundle.source_files)
+        write_folder(root / bundle.source_directory / bundle.lab, bundle.source_files)
         (root / "gradebook.db").write_bytes(bundle.gradebook)
-        _write_files(root / "submitted" / submission.student / submission.lab, submission.files)
+        write_folder(root / "submitted" / submission.student / submission.lab, submission.files)
         cache = Path(bundle.cache_dir)
         if not cache.parent.is_dir():  # another machine: a cache of its own, kept between gradings
             cache = Path.home() / ".cache" / "perflab" / "grading"
@@ -266,7 +271,7 @@ def grade_in_working_copy(
         if cell_timeout_s is not None:
             args.append(f"--Execute.timeout={cell_timeout_s}")
         returncode, log = _run_nbgrader(args, root, env, timeout_s)
-        files = _read_files(root / "autograded" / submission.student / submission.lab)
+        files = read_folder(root / "autograded" / submission.student / submission.lab)
         graded = Graded(
             submission.student,
             "graded",
