@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -96,6 +97,66 @@ def test_a_hung_job_is_killed_with_all_its_processes(tmp_path, monkeypatch):
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
     with pytest.raises(LaunchFailed, match="killed after its 2 s limit"):
         run.check()
+
+
+# Rank 1 aborts (SIGABRT, as a crash in C++ does) without an error file; rank 0 waits until torchrun stops it.
+ABORTING = textwrap.dedent("""
+    import os, time
+    if os.environ["RANK"] == "1":
+        print("rank 1 about to abort", flush=True)
+        os.abort()
+    time.sleep(60)
+""")
+
+
+def test_a_rank_that_crashed_is_named_before_the_rank_torchrun_stopped(tmp_path, monkeypatch):
+    (tmp_path / "abort.py").write_text(ABORTING)
+    monkeypatch.chdir(tmp_path)
+    run = launch("abort.py", nproc=2, timeout_s=60)  # a relative path: the ranks start in the script's folder
+    assert [(failure.rank, failure.exitcode) for failure in run.failures] == [(1, -6), (0, -15)]
+    with pytest.raises(
+        LaunchFailed, match=r"(?s)first to fail: rank 1 \(signal SIGABRT\).*rank 1's output.*about to abort"
+    ):
+        run.check()
+
+
+def _run_rank_process(script, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "perflab.rank_process", str(script), *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    "body, status, stderr",
+    [
+        ("import sys; sys.exit(3)", 3, ""),
+        ("import sys; sys.exit('stopped: bad input')", 1, "stopped: bad input"),
+        ("raise ValueError('broken')", 1, "ValueError: broken"),
+        ("pass", 0, ""),
+    ],
+)
+def test_a_rank_process_exits_as_python_would(tmp_path, body, status, stderr):
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    finished = _run_rank_process(script)
+    assert finished.returncode == status and stderr in finished.stderr
+
+
+def test_a_rank_process_runs_the_script_as_main_and_waits_for_its_threads_and_exit_handlers(tmp_path):
+    (tmp_path / "helper.py").write_text("VALUE = 42")
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent("""
+        import atexit, sys, threading, time
+        from helper import VALUE   # beside the script, as with `python script.py`
+        atexit.register(lambda: print("exit handler ran"))
+        threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished"))).start()
+        print(__name__, VALUE, sys.argv[1:], end=" ")   # no newline: the output is flushed all the same
+    """)
+    )
+    finished = _run_rank_process(script, "--flag", "value")
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout == "__main__ 42 ['--flag', 'value'] thread finished\nexit handler ran\n"
 
 
 @pytest.mark.parametrize("arguments", [dict(nproc=0), dict(nproc=1.5), dict(timeout_s=0)])

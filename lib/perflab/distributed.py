@@ -19,7 +19,9 @@
     >>> work.cleanup()
 
 ``launch`` runs ``python -m torch.distributed.run --standalone`` (``torchrun``): ``--standalone``
-picks a free port, so launches beside each other do not collide. Every launch has a wall-clock
+picks a free port, so launches beside each other do not collide. Each rank runs the script through
+:mod:`perflab.rank_process`, as ``python script.py`` would, except that the process ends without
+interpreter teardown, where gloo's threads can crash a rank that finished its work. Every launch has a wall-clock
 limit: a job that hangs (a rank stuck in a collective, a deadlock) is killed with all its
 processes when the limit passes, and the result says so, rather than blocking the notebook.
 Each rank's output goes to its own log file (``--log-dir``, ``--tee``), and a script whose
@@ -134,8 +136,14 @@ class Launch:
     def check(self) -> Launch:
         """Return this launch if it succeeded; otherwise raise LaunchFailed with the cause and the last output."""
         if not self.ok:
+            failed_rank = self.root_cause.rank if self.root_cause else None
+            rank_output = (
+                f"--- last lines of rank {failed_rank}'s output ---\n{_tail(self.rank_outputs[failed_rank], 15)}\n"
+                if failed_rank in self.rank_outputs
+                else ""
+            )
             raise LaunchFailed(
-                f"{Path(self.script).name} on {self.nproc} ranks {self.status}\n"
+                f"{Path(self.script).name} on {self.nproc} ranks {self.status}\n{rank_output}"
                 f"--- last lines of torchrun's output ---\n{_tail(self.console, 30)}"
             )
         return self
@@ -158,7 +166,11 @@ def _tail(text: str, lines: int) -> str:
 
 
 def torchrun_command(script: str | os.PathLike, args: tuple[str, ...], *, nproc: int, log_dir: Path) -> list[str]:
-    """The torchrun command line: one machine, ``nproc`` ranks, each rank's output teed into ``log_dir``."""
+    """The torchrun command line: one machine, ``nproc`` ranks, each rank's output teed into ``log_dir``.
+
+    Each rank runs the script through :mod:`perflab.rank_process`, which ends the process without the
+    interpreter teardown that gloo's leftover threads can crash (see its docstring).
+    """
     return [
         sys.executable,
         "-m",
@@ -170,6 +182,8 @@ def torchrun_command(script: str | os.PathLike, args: tuple[str, ...], *, nproc:
         str(log_dir),
         "--tee",
         "3",
+        "--module",
+        "perflab.rank_process",
         str(script),
         *map(str, args),
     ]
@@ -183,7 +197,7 @@ def launch(
     Each rank runs PyTorch on ``threads_per_rank`` CPU threads (``OMP_NUM_THREADS``): ranks that
     together ask for more threads than the machine has cores stall each other.
     """
-    script = Path(script)
+    script = Path(script).resolve()  # the ranks start in the script's folder
     if not script.is_file():
         raise FileNotFoundError(f"no script at {script}")
     if not isinstance(nproc, int) or nproc < 1:
@@ -271,12 +285,16 @@ def _failures(console: str, errors: dict[int, tuple[int, str]]) -> tuple[RankFai
 
     torchrun's own "Root Cause" compares whole seconds, so a rank that crashed and the rank that
     failed a moment later because its peer was gone can tie, and then torchrun names whichever it
-    saw exit first. The error files' modification times tell them apart; ranks that left none
-    (killed before they could write one) come last.
+    saw exit first. The error files' modification times tell them apart. Ranks that left none come
+    last: first those that died on their own (an exit code, a crash such as SIGABRT or SIGSEGV), then
+    those that torchrun stopped (SIGTERM, SIGKILL) because another rank had failed.
     """
     exitcodes = {int(rank): int(code) for rank, code in _FAILURE.findall(console)}
     never = float("inf")
-    order = sorted(exitcodes, key=lambda rank: (errors.get(rank, (never, ""))[0], rank))
+    stopped_by_torchrun = (-signal.SIGTERM, -signal.SIGKILL)
+    order = sorted(
+        exitcodes, key=lambda rank: (errors.get(rank, (never, ""))[0], exitcodes[rank] in stopped_by_torchrun, rank)
+    )
     return tuple(
         RankFailure(
             rank=rank,
