@@ -146,7 +146,7 @@ def test_the_trusted_python_imports_perflab_from_a_pristine_copy(tmp_path):
 @needs_bwrap
 def test_the_sandbox_hides_the_course_and_lets_write_only_its_folder(tmp_path):
     course = tmp_path / "course"
-    workdir = course / "autograded" / "ada" / "lab09_capstone"
+    workdir = course / "autograded" / "ada" / "lab10_capstone"
     workdir.mkdir(parents=True)
     (course / "solutions").mkdir()
     (course / "solutions" / "answers.txt").write_text("the reference answers")
@@ -244,7 +244,7 @@ def test_the_child_is_stopped_between_requests_and_ended_when_it_hangs():
 def test_the_grader_reports_the_reason_of_a_failing_job(tmp_path):
     """The session's own entry point, with a job whose answer could not be read: a refusal, not a crash."""
     job = {
-        "lab": "lab09_capstone",
+        "lab": "lab10_capstone",
         "cells": {"course": {}, "learner": {}},
         "cache_dir": str(tmp_path),
         "handed_in": {

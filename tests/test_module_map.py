@@ -1,7 +1,7 @@
 """The module map: every public module of perflab says where the course uses it, and says it right.
 
 Each module's docstring ends with a paragraph naming the notebooks that use it, as d2l's "Defined in"
-does: ``Used in: lecture 03 (data loading), lab 03, lab 09.`` (``lectures 01-08`` names a range). A
+does: ``Used in: lecture 03 (data loading), lab 03, lab 10.`` (``lectures 01-08`` names a range). A
 module that no notebook uses names the modules (or files) that do: ``Used by perflab.capstone and
 perflab.grading.`` Both are checked against the code itself: the notebooks' code cells and the
 modules' sources are parsed, and every import of a perflab module, every name taken from one and
@@ -203,7 +203,7 @@ def _map_paragraph(module: str) -> str:
     return " ".join(paragraphs[-1].split()) if paragraphs else ""
 
 
-# "lecture 03 (data loading)", "lab 09", "lectures 01-08", "labs 01, 02 and 04-06": a kind, then numbers or
+# "lecture 03 (data loading)", "lab 10", "lectures 01-08", "labs 01, 02 and 04-06": a kind, then numbers or
 # ranges of numbers, each lecture number optionally followed by its topic in parentheses.
 _CHAPTER_TOKEN = re.compile(r"\((?P<topic>[^)]*)\)|\b(?P<kind>lecture|lab)s?\b|\b(?P<first>\d\d)(?:-(?P<last>\d\d))?\b")
 

@@ -1,9 +1,9 @@
 """Start a lecture or a lab from the course's template: the shared setup cell, then the sections every one has.
 
-    $ python tools/new_notebook.py lecture 09_sharding "Sharded data parallel"
-    wrote lectures/09_sharding.ipynb
-    $ python tools/new_notebook.py lab lab10_sharding "Shard a training run"
-    wrote solutions/lab10_sharding/lab10_sharding.ipynb
+    $ python tools/new_notebook.py lecture 10_tensor_parallel "Tensor parallelism"
+    wrote lectures/10_tensor_parallel.ipynb
+    $ python tools/new_notebook.py lab lab11_tensor_parallel "Split a layer over two ranks"
+    wrote solutions/lab11_tensor_parallel/lab11_tensor_parallel.ipynb
 
 A lecture gets objectives, idea, measure, exercise and takeaways; a lab gets nbgrader's cells
 (read-only setup, an answer cell with its solution, an autograded test with hidden tests, an

@@ -22,7 +22,7 @@ resolution does not matter), with the device synchronized before the clock is re
           x + x  |  ...
     Times are in ...
 
-Used in: lectures 01-08, labs 01, 02, 04, 05, 06 and 09.
+Used in: lectures 01-08, labs 01, 02, 04, 05, 06 and 10.
 """
 
 from __future__ import annotations

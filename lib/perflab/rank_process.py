@@ -14,7 +14,7 @@ its ``atexit`` handlers (as ``python`` does at exit), flushes the output, and en
 exit status is what ``python script.py`` would return: 0, the code of ``SystemExit``, or 1 after
 printing the traceback of an exception.
 
-Used by perflab.distributed (its launch: lecture 07, lab 07).
+Used by perflab.distributed (its launch: lecture 07, labs 07 and 09).
 """
 
 from __future__ import annotations

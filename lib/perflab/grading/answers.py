@@ -24,7 +24,7 @@ field must have exactly its declared type (``True`` is not a batch size, ``"64"`
 Whatever the kernel printed is only ever data: a kernel that prints another configuration hands
 in that configuration, measured like any other.
 
-Used in: lab 09.
+Used in: lab 10.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lab 09's measured cells, decided from the configurations the notebook handed in, on the course's workload.
+"""Lab 10's measured cells, decided from the configurations the notebook handed in, on the course's workload.
 
     >>> from dataclasses import asdict
     >>> import torch
@@ -120,7 +120,7 @@ def grade_capstone_lab(
     cache_dir: str | None = None,
     rounds: int = TRIAL_ROUNDS,
 ) -> dict[str, Verdict]:
-    """One verdict per graded cell of lab 09, from ``handed[cell]``: the answers that cell handed in."""
+    """One verdict per graded cell of lab 10, from ``handed[cell]``: the answers that cell handed in."""
     verdicts: dict[str, Verdict] = {}
     configs: dict[str, dict[str, TrainConfig]] = {}
     for cell, answers in handed.items():
