@@ -23,7 +23,7 @@ capstone's benchmark and grader in ``capstone``; grading outside the learner's k
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
 
-Used in: every notebook, lectures 01-08 and labs 01-10.
+Used in: every notebook, lectures 01-09 and labs 01-10.
 """
 
 from perflab.bench import Comparison, Timing, benchmark, compare

@@ -18,7 +18,8 @@
 On a GPU ``torch.cuda.max_memory_allocated`` also counts the caching allocator's view; the
 saved-tensor count is the part of it that activation checkpointing shrinks, on any device.
 
-Used in: lecture 05 (memory checkpointing), lecture 08 (flash attention), labs 05, 08 and 10.
+Used in: lecture 05 (memory checkpointing), lecture 08 (flash attention), lecture 09 (sharding), labs 05,
+08 and 10.
 """
 
 from __future__ import annotations
