@@ -103,12 +103,7 @@ def _source_digests() -> dict[str, str]:
 
 
 def _attacks(lab: str) -> list[str]:
-    attacks = [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
-    # writes_grader hands in too_slow's answer and also tries to rewrite the grader: where it runs, its zero
-    # says all that too_slow's would, and the grader's minute and a half of measuring is spent once.
-    if "writes_grader" in attacks and ATTACKS[lab]["writes_grader"].startswith(ATTACKS[lab].get("too_slow", "-")):
-        attacks.remove("too_slow")
-    return attacks
+    return [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +168,7 @@ def test_grading_round_trip(graded_course, lab):
     for cell, text in _measured_outputs(course, "solved", lab).items():
         assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"
     if lab == "lab10_capstone":
-        slow_answer = "too_slow" if "too_slow" in attacks else "writes_grader"  # the same answer (see _attacks)
-        too_slow = _measured_outputs(course, f"attack_{slow_answer}", lab)["test_regrade"]
+        too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
         assert "FAIL" in another_task and "accuracy" in another_task, another_task
