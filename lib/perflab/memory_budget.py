@@ -37,6 +37,7 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "TrainingMemory",
+    "estimate_over_measured",
     "estimate_training_memory",
     "measure_training_memory",
 ]
@@ -88,7 +89,10 @@ class MemoryComparison:
 
     @property
     def ratios(self) -> dict[str, float]:
-        return {c: _ratio(getattr(self.estimate, c), getattr(self.measured, c)) for c in (*COMPONENTS, "total")}
+        return {
+            c: estimate_over_measured(getattr(self.estimate, c), getattr(self.measured, c))
+            for c in (*COMPONENTS, "total")
+        }
 
     def __repr__(self) -> str:
         ratios = ", ".join(f"{_label(c)} {ratio:.3f}" for c, ratio in self.ratios.items())
@@ -112,7 +116,12 @@ def _label(component: str) -> str:
     return component.replace("_", " ")
 
 
-def _ratio(estimate: int, measured: int) -> float:
+def estimate_over_measured(estimate: int, measured: int) -> float:
+    """``estimate / measured`` in bytes; 1.0 when both are zero (plain SGD's optimizer state), inf when only one is.
+
+    >>> estimate_over_measured(0, 0), estimate_over_measured(3, 2)
+    (1.0, 1.5)
+    """
     if measured == 0:  # plain SGD keeps no optimizer state
         return 1.0 if estimate == 0 else math.inf
     return estimate / measured

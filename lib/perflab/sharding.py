@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from perflab.memory_budget import estimate_training_memory
+from perflab.memory_budget import estimate_over_measured, estimate_training_memory
 from perflab.models.gpt import GPTConfig
 from perflab.render import Table
 
@@ -134,7 +134,10 @@ class ShardingComparison:
 
     @property
     def ratios(self) -> dict[str, float]:
-        return {name: _ratio(getattr(self.estimate, name), getattr(self.measured, name)) for name in _COMPARED}
+        return {
+            name: estimate_over_measured(getattr(self.estimate, name), getattr(self.measured, name))
+            for name in _COMPARED
+        }
 
     def __repr__(self) -> str:
         ratios = ", ".join(f"{_label(name)} {ratio:.3f}" for name, ratio in self.ratios.items())
@@ -158,12 +161,6 @@ def _label(name: str) -> str:
 
 def _mb(count: int) -> str:
     return f"{count / 1e6:.2f} MB"
-
-
-def _ratio(estimate: int, measured: int) -> float:
-    if measured == 0:
-        return 1.0 if estimate == 0 else float("inf")
-    return estimate / measured
 
 
 def estimate_sharded_step(
