@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from perflab.amp import DEFAULT_OPS, autocast_dtypes
+from perflab.amp import DEFAULT_OPS, autocast_dtypes, dtype_trace, grad_scaler_device
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,63 @@ def test_cuda_keeps_log_softmax_and_layer_norm_in_float32():
     assert table["linear"].effect == "lowered"
     for op in ("log_softmax", "layer_norm", "exp", "cross_entropy"):
         assert table[op].effect == "raised", table[op]
+
+
+def _traced_step(dtype):
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    with torch.autocast("cpu", dtype=dtype), dtype_trace() as trace:
+        out = block(torch.randn(4, 8))
+        loss = F.cross_entropy(out, torch.zeros(4, dtype=torch.long))
+    return trace, out, loss
+
+
+def test_dtype_trace_sees_the_casts_autocast_inserts():
+    trace, out, loss = _traced_step(torch.bfloat16)
+    assert trace.output_dtypes("addmm") == {torch.bfloat16}
+    # Three casts down (input, weight, bias), read from float32; the only float32 op results are the loss's.
+    assert trace.calls[("_to_copy", (torch.float32,), torch.bfloat16)] == 3
+    assert trace.output_dtypes("_log_softmax") == trace.output_dtypes("nll_loss_forward") == {torch.float32}
+    # On the CPU layer_norm is on neither list: a bfloat16 input gives a bfloat16 output.
+    assert trace.output_dtypes("native_layer_norm") == {out.dtype} == {torch.bfloat16}
+    assert trace.ops_in(torch.bfloat16)[:2] == ["_to_copy", "addmm"] and loss.dtype == torch.float32
+    assert trace.output_dtypes("flash_attention") == set()
+
+
+def test_dtype_trace_leaves_out_views_and_counts_repeats():
+    with dtype_trace() as trace:
+        x = torch.randn(4, 4)
+        for _ in range(3):
+            x.t().unsqueeze(0)[0].exp()
+    assert [name for name, _, _ in trace.calls] == ["randn", "exp"]
+    assert trace.calls[("exp", (torch.float32,), torch.float32)] == 3
+    text, html = repr(trace), trace._repr_html_()
+    assert text.splitlines()[0].split() == ["op", "reads", "writes", "calls"] and "randn" in text
+    assert html.count("<tr") == 3 and torch.__version__ in html
+
+
+def test_dtype_trace_without_autocast_is_all_float32():
+    trace, out, loss = _traced_step(torch.bfloat16)
+    with dtype_trace() as plain:
+        torch.nn.Linear(8, 16)(torch.randn(4, 8))
+    assert plain.ops_in(torch.bfloat16) == [] and plain.output_dtypes("addmm") == {torch.float32}
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"), [("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1"), ("mps", "mps"), ("xpu", "cpu")]
+)
+def test_scaler_device_keeps_devices_with_gradscaler_kernels(device, expected):
+    assert grad_scaler_device(device) == torch.device(expected)
+
+
+def test_gradscaler_runs_on_the_scaler_device():
+    # GradScaler really works where grad_scaler_device sends it: a step with an inf is skipped, the scale halves.
+    device = grad_scaler_device()
+    parameter = torch.nn.Parameter(torch.ones(2, device=device))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    scaler = torch.amp.GradScaler(device.type, init_scale=4.0)
+    scaler.scale((parameter * torch.tensor([1.0, float("inf")], device=device)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(parameter.detach().cpu(), torch.ones(2)) and scaler.get_scale() == 2.0

@@ -14,7 +14,7 @@ from perflab.bench import (
     median_confidence_interval,
     median_ratio,
 )
-from torch.utils.benchmark import Compare
+from torch.utils.benchmark import Compare, Timer
 
 
 def test_timing_statistics_match_numpy():
@@ -65,6 +65,26 @@ def test_benchmark_runs_at_the_current_thread_count():
     seen = []
     timing = benchmark(lambda: seen.append(torch.get_num_threads()), samples=2, warmup=0)
     assert set(seen) == {threads} and timing.num_threads == threads
+
+
+def test_timer_timeit_warms_up_before_every_sample_which_is_why_benchmark_takes_its_own():
+    calls = []
+    Timer(stmt="fn()", globals={"fn": lambda: calls.append(1)}).timeit(1)
+    assert len(calls) == 3, "Timer.timeit(1): two untimed calls, then the timed one (bench's docstring says so)"
+    calls.clear()
+    timing = benchmark(lambda: calls.append(1), samples=3, warmup=1, min_sample_s=1e-12)
+    assert timing.calls_per_sample == 1 and len(calls) == 1 + 1 + 3, "warm-up, calibration, then one call per sample"
+
+
+def test_benchmark_agrees_with_torch_timer_on_a_known_duration():
+    def nap():
+        time.sleep(0.005)
+
+    timer = Timer(stmt="nap()", globals={"nap": nap}, num_threads=torch.get_num_threads())
+    theirs = timer.blocked_autorange(min_run_time=0.05).median
+    ours = benchmark(nap, samples=7, warmup=1).median
+    assert 0.005 <= theirs < 0.05 and 0.005 <= ours < 0.05, (theirs, ours)
+    assert 0.5 < ours / theirs < 2, "the same method on the same call: the same time, within the machine's noise"
 
 
 @pytest.mark.parametrize(

@@ -170,3 +170,34 @@ def test_break_even_chart_draws_one_panel_per_cost():
     assert len(flat.lines) == 2 and any("never breaks even" in text.get_text() for text in flat.texts)
     assert "total time (s)" in paying.get_ylabel() and paying.get_title() == "fused"
     assert any(text.get_text() == "test run" for text in figure.texts)
+
+
+# A module as Inductor writes it when it falls back to eager's kernels (mode="lite" does for every operator).
+FALLBACK_MODULE = """
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        args.clear()
+        buf0 = torch.ops.aten.mul.Tensor(arg0_1, arg1_1)
+        assert_tensor_metadata(buf0, (8, 256), (256, 1), torch.float32, 'torch.ops.aten.mul.Tensor')
+        buf1 = torch.ops.aten.gelu.default(buf0)
+        del buf0
+        torch.ops.aten._foreach_add_.Scalar([buf1], 1)
+        return (buf1, )
+
+runner = Runner(partitions=[])
+call = runner.call
+"""
+
+
+def test_generated_code_lists_fallbacks_to_eager_kernels_in_order():
+    code = GeneratedCode(modules=(FALLBACK_MODULE, CPU_MODULE), seconds=0.5)
+    assert code.launches == [
+        ["aten.mul.Tensor", "aten.gelu.default", "aten._foreach_add_.Scalar"],
+        ["extern_kernels.addmm", "cpp_fused_add_gelu_0"],
+    ]
+    assert code.fallbacks == 3
+    assert (
+        repr(code).splitlines()[-1] == "2 modules written in 500 ms; 1 generated kernel, 3 fallbacks to eager kernels"
+    )
+    assert GeneratedCode(modules=(CPU_MODULE,), seconds=0.5).fallbacks == 0

@@ -68,3 +68,35 @@ def test_peak_memory_sees_the_attention_score_matrix_grow_quadratically():
     score_bytes = 2 * 512 * 512 * 4
     assert peaks[1] >= score_bytes
     assert 3.5 < peaks[1] / peaks[0] < 4.5  # T doubled, the T x T scores dominate
+
+
+def test_packed_bytes_counts_a_tensor_each_time_it_is_saved():
+    weight = torch.randn(100, 100, requires_grad=True)
+    x = torch.randn(10, 100, requires_grad=True)
+    with saved_tensors() as saved:
+        first = (x @ weight).sum()  # noqa: F841 (alive to the end of the block, so counted)
+        second = (x @ weight).sum()  # noqa: F841  # saved again: a copying hook (save_on_cpu) copies them again
+    assert saved.bytes == (100 * 100 + 10 * 100) * 4
+    assert saved.packed_bytes == 2 * saved.bytes
+    assert saved.bytes_excluding([weight]) == 10 * 100 * 4  # the activation, without the weight
+
+
+def test_what_selective_checkpointing_keeps_is_counted_when_it_respects_the_hooks():
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    x = torch.randn(64, 32, requires_grad=True)
+    w1, w2 = torch.randn(32, 128, requires_grad=True), torch.randn(128, 32, requires_grad=True)
+
+    def block(x):
+        return (x @ w1).sin() @ w2  # two matmuls, and a pointwise op to recompute between them
+
+    save_matmuls = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    kept = {}
+    for name, options in {"full": {}, "selective": {"context_fn": save_matmuls}}.items():
+        with saved_tensors() as saved:
+            loss = checkpoint(block, x, use_reentrant=False, respect_saved_tensors_hooks=True, **options).sum()
+        loss.backward()
+        kept[name] = saved.bytes
+    assert kept["selective"] - kept["full"] == (64 * 128 + 64 * 32) * 4  # the outputs of the two matmuls

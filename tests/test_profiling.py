@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import re
 import sys
 from dataclasses import replace
+from pathlib import Path
 
+import nbformat
 import pytest
+import torch
+import torch.autograd.profiler_util
+import torch.profiler.profiler
 from perflab.__main__ import main
 from perflab.plots import throughput_curve, trace_timeline
 from perflab.profiling import ProfiledRun, Span, profile_training
 from perflab.train import NAIVE, OPTIMIZED, Workload, train
 from perflab.train_result import PHASES
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = Workload(num_classes=3, train_per_class=24, val_per_class=8, image_size=32, epochs=1)
 pytestmark = pytest.mark.usefixtures("private_data_cache")  # conftest.py
 
@@ -40,6 +48,53 @@ def test_a_memory_profile_sorts_operators_by_what_they_allocate():
     table = run.table(sort_by="self_cpu_memory_usage", row_limit=5)
     header, first_row = table.splitlines()[1], table.splitlines()[3]
     assert "Self CPU Mem" in header and f" {largest.key} " in f" {first_row} "
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sorts by the GPU's clock: needs a CUDA device")
+def test_a_gpu_profile_sorts_by_the_device_clock_without_deprecated_names():
+    run = profile_training(NAIVE, TINY, steps=2, device="cuda")  # pyproject.toml: a FutureWarning here fails
+    rows = run.profiler.key_averages()
+    slowest = max(rows, key=lambda row: row.self_device_time_total)
+    assert slowest.self_device_time_total > 0
+    table = run.table(row_limit=5)
+    assert "Self CUDA" in table.splitlines()[1] and f" {slowest.key} " in f" {table.splitlines()[3]} "
+
+
+def _deprecated_profiler_names() -> set[str]:
+    """The profiler attributes torch itself marks deprecated (``@deprecated``: a FutureWarning when used)."""
+    names = set()
+    for module in (torch.autograd.profiler_util, torch.profiler.profiler):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            for name, value in vars(cls).items():
+                function = value.fget if isinstance(value, property) else value
+                if getattr(function, "__deprecated__", None):
+                    names.add(name)
+    return names
+
+
+def _course_code() -> list[tuple[str, str]]:
+    """(where, code) for perflab's modules and every code cell of the lectures and labs' sources."""
+    code = [(str(path.relative_to(REPO)), path.read_text()) for path in sorted((REPO / "lib/perflab").rglob("*.py"))]
+    for path in sorted([*REPO.glob("lectures/*.ipynb"), *REPO.glob("solutions/*/*.ipynb")]):
+        notebook = nbformat.read(path, as_version=4)
+        code += [
+            (f"{path.relative_to(REPO)}, cell {index}", cell.source)
+            for index, cell in enumerate(notebook.cells)
+            if cell.cell_type == "code"
+        ]
+    return code
+
+
+def test_no_deprecated_profiler_name_in_the_course_code_a_cpu_never_runs():
+    # The suite turns a FutureWarning into an error, but only on the code it runs: the GPU branches
+    # (self_cuda_time_total and friends, or sort_by="cuda_time_total") never run on a CPU.
+    deprecated = _deprecated_profiler_names()
+    assert {"self_cuda_time_total", "cuda_time_total", "self_cuda_memory_usage"} <= deprecated  # the scan can see
+    pattern = re.compile(r"\b(" + "|".join(sorted(deprecated)) + r")\b")
+    found = [f"{where}: {match.group(0)}" for where, code in _course_code() for match in pattern.finditer(code)]
+    assert not found, "deprecated torch.profiler names (use the device spellings):\n" + "\n".join(found)
+    assert pattern.search('table(sort_by="self_cuda_time_total")') and not pattern.search("self_device_time_total")
 
 
 def test_trace_exports_for_perfetto(profiled, tmp_path):

@@ -23,6 +23,13 @@
     mse_loss                  float32               float32           bfloat16             raised
     cross_entropy             float32               float32           bfloat16             raised
     torch.autocast(device_type='cpu', dtype=torch.bfloat16), measured with torch ...
+    >>> layer, x = torch.nn.Linear(8, 4), torch.randn(2, 8)
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16), dtype_trace() as trace:
+    ...     loss = F.cross_entropy(layer(x), torch.tensor([0, 1]))
+    >>> trace.ops_in(torch.bfloat16), trace.ops_in(torch.float32)   # what each operator computed in
+    (['_to_copy', 'addmm'], ['_to_copy', '_log_softmax', 'nll_loss_forward'])
+    >>> grad_scaler_device("mps"), grad_scaler_device("xpu")   # where torch.amp.GradScaler runs
+    (device(type='mps'), device(type='cpu'))
 
 Autocast keeps lists of operations per device (the autocast op reference,
 https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference): matmuls and convolutions
@@ -36,21 +43,40 @@ Each operation runs three times on a small tensor:
   where plain PyTorch gives low precision means autocast *raised* it;
 - otherwise autocast left it *unchanged*: the output follows the inputs as usual.
 
-Used in: lecture 04 (mixed precision).
+``dtype_trace`` answers the same question for a whole model: it records every operator that runs
+below autocast (views left out), with the dtypes it read and the dtype it wrote, so the casts autocast
+inserts show up as ``_to_copy`` rows. ``grad_scaler_device`` says where ``torch.amp.GradScaler`` runs:
+its unscale and update kernels exist for CUDA, the CPU and Apple's MPS in torch 2.14 (on MPS,
+``unscale_`` computes the inverse scale in float32, as MPS has no float64).
+
+Used in: lecture 04 (mixed precision), lab 04.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from perflab.device import pick_device
 from perflab.render import Table
 
-__all__ = ["AutocastReport", "AutocastRow", "DEFAULT_OPS", "autocast_dtypes"]
+__all__ = [
+    "AutocastReport",
+    "AutocastRow",
+    "DEFAULT_OPS",
+    "DtypeTrace",
+    "GRAD_SCALER_DEVICE_TYPES",
+    "autocast_dtypes",
+    "dtype_trace",
+    "grad_scaler_device",
+]
 
 _LOW_PRECISIONS = (torch.bfloat16, torch.float16)
 _SIZE = 16  # operations run on _SIZE x _SIZE tensors: enough for every op, fast even in fallback kernels
@@ -165,3 +191,72 @@ def autocast_dtypes(
             from_float32, from_low = op(x).dtype, op(x.to(dtype)).dtype
         rows.append(AutocastRow(name, from_float32, from_low, op(x.to(dtype)).dtype))
     return AutocastReport(str(device), dtype, tuple(rows))
+
+
+def _floating_dtypes(tree) -> tuple[torch.dtype, ...]:
+    return tuple(
+        leaf.dtype for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+    )
+
+
+@dataclass
+class DtypeTrace:
+    """How many times each operator ran with each (input dtypes, output dtype), in order of first call."""
+
+    calls: Counter = field(default_factory=Counter)  # (op, input dtypes, output dtype) -> calls
+
+    def output_dtypes(self, op: str) -> set[torch.dtype]:
+        """The dtypes ``op`` (an aten name such as ``"addmm"``) wrote; empty if it never ran."""
+        return {output for name, _, output in self.calls if name == op}
+
+    def ops_in(self, dtype: torch.dtype) -> list[str]:
+        """The operators that wrote ``dtype``, in the order they first ran."""
+        return list(dict.fromkeys(name for name, _, output in self.calls if output == dtype))
+
+    def _table(self) -> Table:
+        rows = [
+            (name, ", ".join(_short(dtype) for dtype in inputs) or "-", _short(output), str(count))
+            for (name, inputs, output), count in self.calls.items()
+        ]
+        colours = [_EFFECT_COLOURS["lowered"] if output in _LOW_PRECISIONS else "" for _, _, output in self.calls]
+        caption = f"operators that ran (views left out) and their floating-point dtypes, torch {torch.__version__}"
+        return Table(("op", "reads", "writes", "calls"), rows, caption=caption, row_colours=colours)
+
+    def __repr__(self) -> str:
+        return str(self._table())
+
+    def _repr_html_(self) -> str:
+        return self._table()._repr_html_()
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    # A dispatch mode sits below autocast: it sees each operator after autocast has cast its inputs.
+    def __init__(self, trace: DtypeTrace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = _floating_dtypes(out)
+        if outputs and not func.is_view:
+            self.trace.calls[(func.overloadpacket.__name__, _floating_dtypes((args, kwargs)), outputs[0])] += 1
+        return out
+
+
+@contextlib.contextmanager
+def dtype_trace() -> Iterator[DtypeTrace]:
+    """Record the dtypes every operator in the block reads and writes (the first floating-point output)."""
+    trace = DtypeTrace()
+    with _DtypeRecorder(trace):
+        yield trace
+
+
+# torch 2.14 has GradScaler's kernels (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_)
+# for these device types; torch.amp.GradScaler's docstring still names only "cuda" and "cpu".
+GRAD_SCALER_DEVICE_TYPES = ("cuda", "cpu", "mps")
+
+
+def grad_scaler_device(device: str | torch.device | None = None) -> torch.device:
+    """``device`` if ``torch.amp.GradScaler`` runs there, else the CPU (where float16 autocast runs too)."""
+    device = torch.device(device) if device is not None else pick_device()
+    return device if device.type in GRAD_SCALER_DEVICE_TYPES else torch.device("cpu")

@@ -9,9 +9,15 @@
     Comparison(mm vs @: ...x (95% CI ...x-...x) over 21 interleaved rounds; ...)
 
 Each sample runs the function enough times to last ``min_sample_s`` (so the clock's own
-resolution does not matter), with the device synchronized before the clock is read, at the
-*current* thread count (``torch.utils.benchmark.Timer`` would pin it to one thread unless told).
-``Timing.to_measurement()`` hands results to ``torch.utils.benchmark.Compare`` for tables:
+resolution does not matter), with the device synchronized before the clock is read. That is the
+method of ``torch.utils.benchmark.Timer``; the samples are taken by a loop of this module's own,
+around ``time.perf_counter``, because ``Timer`` lacks what a comparison needs: its per-sample call,
+``Timer.timeit``, runs at least two untimed calls before every sample (three calls per sample of a
+training step), and its ``blocked_autorange`` picks its own number of samples, so neither can
+alternate two functions round by round. The loop also synchronizes the device being timed
+(``Timer``'s clock synchronizes the current accelerator) and runs at the *current* thread count
+(``Timer`` pins one thread unless told). ``Timing.to_measurement()`` hands results to
+``torch.utils.benchmark.Compare`` for tables:
 
     >>> from torch.utils.benchmark import Compare
     >>> cases = {"x @ x": lambda: x @ x, "x + x": lambda: x + x}
@@ -145,12 +151,8 @@ class Timing:
 
 
 class _Sampler:
-    """Runs one function as timed samples of ``calls_per_sample`` calls each.
-
-    ``torch.utils.benchmark.Timer.timeit`` would re-warm before every sample (at least two
-    extra calls), which triples the cost of timing a one-second training step, so samples are
-    taken here with the same synchronized clock that ``Timer`` would be given.
-    """
+    """Runs one function as timed samples of ``calls_per_sample`` calls each, after ``warmup`` untimed calls
+    (why not ``torch.utils.benchmark.Timer``: see the module's docstring)."""
 
     def __init__(self, fn: Callable[[], object], device: torch.device, warmup: int, min_sample_s: float):
         if not callable(fn):

@@ -214,7 +214,14 @@ def compile_cost(
 # Inductor defines each kernel as "<name> = async_compile.<kind>(..., '''<source>''' ...)":
 # C++ on a CPU, Triton on a GPU.
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''\n?(.*?)'''", re.DOTALL | re.MULTILINE)
-_LAUNCH = re.compile(r"^\s+(extern_kernels\.\w+|\w+)(?:\.run)?\(", re.MULTILINE)
+# What ``call`` runs, one per line: a generated kernel or a library call (``extern_kernels.addmm(...)``,
+# ``cpp_fused_0(...)``, ``triton_poi_0.run(...)``), or an operator Inductor left to eager's own kernel
+# (a fallback: ``buf0 = torch.ops.aten.mean.dim(...)``).
+_LAUNCH = re.compile(
+    r"^\s+(?:(?P<fallback>(?:\w+ = )?torch\.ops\.(?P<operator>\w+\.\w+\.\w+))|(?P<name>extern_kernels\.\w+|\w+))"
+    r"(?:\.run)?\(",
+    re.MULTILINE,
+)
 
 
 def _call_body(module: str) -> str:
@@ -249,19 +256,30 @@ class GeneratedCode:
 
     @property
     def launches(self) -> list[list[str]]:
-        """For each module, what its ``call`` runs, in order: generated kernels and library calls."""
+        """For each module, what its ``call`` runs, in order: generated kernels, library calls, and
+        fallbacks to eager's kernels (named as ATen names them: ``aten.mean.dim``)."""
         kernels = self.kernels
         runs = []
         for module in self.modules:
-            names = _LAUNCH.findall(_call_body(module))
-            runs.append([name for name in names if name in kernels or name.startswith("extern_kernels.")])
+            found = [
+                match["operator"] or match["name"]
+                for match in _LAUNCH.finditer(_call_body(module))
+                if match["operator"] or match["name"] in kernels or match["name"].startswith("extern_kernels.")
+            ]
+            runs.append(found)
         return runs
+
+    @property
+    def fallbacks(self) -> int:
+        """How many operators the modules run with eager's own kernels rather than generated code."""
+        return sum(1 for names in self.launches for name in names if name.startswith("aten."))
 
     def __repr__(self) -> str:
         rows = [(f"module {index}", ", ".join(names) or "(nothing)") for index, names in enumerate(self.launches, 1)]
         caption = (
             f"{_plural(len(self.modules), 'module')} written in {format_seconds(self.seconds)}; "
             f"{_plural(len(self.kernels), 'generated kernel')}"
+            + (f", {_plural(self.fallbacks, 'fallback')} to eager kernels" if self.fallbacks else "")
         )
         return str(Table(("", "runs, in order"), rows, caption=caption))
 

@@ -50,10 +50,10 @@ KINDS = {"data": "data-bound", "compute": "compute-bound", "memory": "memory-bou
 _ADVICE = {
     "data-bound": "feed it faster: decode once, augment whole batches as tensors, DataLoader workers, "
     "pin_memory with non_blocking copies (chapter 03)",
-    "compute-bound": "make the arithmetic cheaper: bf16 or fp16 autocast on tensor cores, TF32, channels_last "
-    "(chapter 04); or do less of it",
-    "memory-bound": "move fewer bytes: fuse elementwise operators with torch.compile (chapter 06), a fused "
-    "optimizer, SDPA instead of materialising the attention scores (chapter 08)",
+    "compute-bound": "make the arithmetic cheaper: bf16 or fp16 autocast on tensor cores, TF32 (chapter 04), "
+    "channels_last (chapter 06); or do less of it",
+    "memory-bound": "move fewer bytes: fuse elementwise operators with torch.compile, a fused or compiled "
+    "optimizer step (chapter 06), SDPA instead of materialising the attention scores (chapter 08)",
     "overhead-bound": "do more per call: a larger batch, fewer syncs (.item(), print), torch.compile, "
     "CUDA graphs (mode='reduce-overhead') on a GPU (chapters 01 and 06)",
 }

@@ -9,6 +9,10 @@
     ...     loss = model(images).sum()      # forward only: what autograd keeps for backward
     >>> saved
     SavedTensors(3.07 MB in 73 tensors kept for backward)
+    >>> f"{saved.bytes_excluding(model.parameters()) / 1e6:.2f} MB of activations"   # without the weights
+    '2.76 MB of activations'
+    >>> f"{saved.packed_bytes / 1e6:.2f} MB saved, a tensor counted each time an op saves it"
+    '4.58 MB saved, a tensor counted each time an op saves it'
     >>> q = k = v = torch.randn(1, 4, 512, 32)
     >>> with peak_memory() as peak:
     ...     out = naive_attention(q, k, v)  # the most memory the block's tensors held at once
@@ -17,16 +21,18 @@
 
 On a GPU ``torch.cuda.max_memory_allocated`` also counts the caching allocator's view; the
 saved-tensor count is the part of it that activation checkpointing shrinks, on any device.
+``packed_bytes`` counts a tensor each time an operation saves it (``bytes`` counts each storage
+once): what a pack hook that copies, such as ``torch.autograd.graph.save_on_cpu``, copies.
 
-Used in: lecture 05 (memory checkpointing), lecture 08 (flash attention), lecture 09 (sharding), labs 05,
-08 and 10.
+Used in: lecture 05 (memory checkpointing), lecture 06 (compile), lecture 08 (flash attention), lecture 09
+(sharding), labs 05, 08 and 10.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +47,7 @@ class SavedTensors:
     """Tensors autograd still keeps for the backward pass, each storage counted once."""
 
     storages: dict[int, int] = field(default_factory=dict)  # storage address -> bytes
+    packed_bytes: int = 0  # each saved tensor's own bytes, counted every time an operation saved it
 
     @property
     def bytes(self) -> int:
@@ -49,6 +56,11 @@ class SavedTensors:
     @property
     def count(self) -> int:
         return len(self.storages)
+
+    def bytes_excluding(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The bytes kept in storages that none of ``tensors`` uses: pass the parameters to get the activations."""
+        excluded = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+        return sum(nbytes for address, nbytes in self.storages.items() if address not in excluded)
 
     def __repr__(self) -> str:
         return f"SavedTensors({self.bytes / 1e6:.2f} MB in {self.count} tensors kept for backward)"
@@ -64,9 +76,15 @@ def saved_tensors() -> Iterator[SavedTensors]:
     detaches each tile's running maximum), and a freed address that gets reused is not
     mistaken for the new storage. Several saved tensors often share one storage (a view and
     its base, a weight saved by two ops): counting storages gives the memory actually held.
+
+    Selective activation checkpointing keeps the outputs its policy saves outside the autograd
+    graph; pass ``respect_saved_tensors_hooks=True`` to ``torch.utils.checkpoint.checkpoint`` so
+    that they pass through these hooks and are counted. Hooks entered inside the block (such as
+    ``save_on_cpu``) replace these for what is saved under them.
     """
     saved = SavedTensors()
-    packed: list[tuple[weakref.ref, int, int]] = []  # (the saved tensor, its storage's address, bytes)
+    # (the saved tensor, its storage's address, the storage's bytes, the tensor's own bytes)
+    packed: list[tuple[weakref.ref, int, int, int]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -74,12 +92,14 @@ def saved_tensors() -> Iterator[SavedTensors]:
         # Returning ``tensor`` itself would, for an op that saves its own output, make a cycle
         # (node -> output -> its grad_fn -> node) that keeps a discarded node alive for good.
         detached = tensor.detach()
-        packed.append((weakref.ref(detached), storage.data_ptr(), storage.nbytes()))
+        packed.append((weakref.ref(detached), storage.data_ptr(), storage.nbytes(), tensor.nbytes))
         return detached
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield saved
-    saved.storages = {address: nbytes for tensor, address, nbytes in packed if tensor() is not None}
+    alive = [entry for entry in packed if entry[0]() is not None]
+    saved.storages = {address: nbytes for _, address, nbytes, _ in alive}
+    saved.packed_bytes = sum(own_bytes for *_, own_bytes in alive)
 
 
 @dataclass

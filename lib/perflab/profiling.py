@@ -21,7 +21,9 @@
     <Figure size ... with 1 Axes>
 
 ``profile_training(NAIVE, tiny, steps=2, profile_memory=True)`` also records every allocation,
-so that its table can sort by memory: ``.table(sort_by="self_cpu_memory_usage")``.
+so that its table can sort by memory: ``.table(sort_by="self_cpu_memory_usage")``, or
+``"self_device_memory_usage"`` for a GPU's memory. The profiler's names say ``device``, not ``cuda``
+(``self_device_time_total``): torch 2.14 deprecates the ``cuda`` spellings.
 
 ``perflab.train`` wraps every phase of a step (data_wait, h2d, fwd, bwd, opt, log) in a
 ``record_function`` region, so the trace carries them by name next to every operator.
@@ -64,11 +66,11 @@ class ProfiledRun:
     def table(self, sort_by: str | None = None, row_limit: int = 12) -> str:
         """Operators sorted by self time on the device when there is one, else on the CPU."""
         device_run = self.result.environment.device.startswith("cuda")
-        sort_by = sort_by or ("self_cuda_time_total" if device_run else "self_cpu_time_total")
+        sort_by = sort_by or ("self_device_time_total" if device_run else "self_cpu_time_total")
         return self.profiler.key_averages().table(sort_by=sort_by, row_limit=row_limit)
 
     def export(self, path: str) -> None:
-        """A Chrome trace: drop it on https://ui.perfetto.dev, chrome://tracing or TensorBoard."""
+        """A trace in the Chrome trace format (JSON): open it in https://ui.perfetto.dev or chrome://tracing."""
         self.profiler.export_chrome_trace(str(path))
 
     def phase_spans(self) -> list[Span]:
@@ -106,7 +108,7 @@ def profile_training(
     """Profile the first ``steps`` steps of ``train(config, workload)``, after a two-step warm-up run.
 
     ``profile_memory=True`` also records every allocation and free, so the table can sort by
-    ``self_cpu_memory_usage`` (or ``self_cuda_memory_usage``), at the price of a slower profile.
+    ``self_cpu_memory_usage`` (or ``self_device_memory_usage``), at the price of a slower profile.
     """
     device = pick_device(device)
     train(config, workload, device=device, progress=False, max_steps=2)  # caches, allocator, kernels

@@ -29,7 +29,7 @@ sends 2(N-1)/N S, a reduce-scatter, all-gather or broadcast (N-1)/N S. ZeRO-1 is
 parameters. :func:`profile_collectives` reads the collectives of one step off a ``torch.profiler``
 run of a gloo rank, and :func:`peak_parts` the parts of a peak off PyTorch's memory trackers.
 
-Used in: lecture 09 (sharding).
+Used in: lecture 07 (ddp), lecture 09 (sharding).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ _KEPT_ENVIRONMENT = {
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
     "PYDEVD_DISABLE_FILE_VALIDATION",
+    "PYTHONWARNINGS",  # the test suite turns deprecated names used by a lab's code into errors
 }
 # Set to 0 only on a machine without bubblewrap, knowing that learner code then runs with the instructor's rights.
 SANDBOX_ENV_VAR = "PERFLAB_GRADING_SANDBOX"

@@ -22,7 +22,7 @@ trace shows where each block's time went (in eager mode: ``torch.compile`` drops
 regions from the graphs it builds), and can be recomputed in the backward pass instead of
 storing its activations (``checkpoint_blocks=True``).
 
-Used in: lectures 02, 03, 05 and 06, lab 03.
+Used in: lectures 01, 02, 03, 05 and 06, lab 03.
 """
 
 from __future__ import annotations
