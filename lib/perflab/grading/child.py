@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -172,6 +173,7 @@ class AnswerProcess:
             pass
         self.process.wait()
         self.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class _Watchdog:
