@@ -106,11 +106,13 @@ def _attacks(lab: str) -> list[str]:
     return [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
 
 
-def _grade(released_course, folder, labs: list[str]):
-    """Every solution, untouched release and attack of ``labs`` handed in, then graded as an instructor would:
-    one `nbgrader autograde`, `generate_feedback` and `export` over every lab handed in (the assignment "*")."""
+@pytest.fixture(scope="module")
+def graded_course(released_course, tmp_path_factory):
+    """Every lab's solution, untouched release and attacks handed in, then graded as an instructor would:
+    one `nbgrader autograde`, `generate_feedback` and `export` over every lab (the assignment "*")."""
+    folder = tmp_path_factory.mktemp("graded")
     course = released_course.copy_to(folder)
-    for lab in labs:
+    for lab in LAB_NAMES:
         course.submit("solved", lab, files_from=course.root / "solutions" / lab)
         course.submit("untouched", lab, files_from=course.root / "labs" / lab)
         for name in _attacks(lab):
@@ -122,27 +124,11 @@ def _grade(released_course, folder, labs: list[str]):
     return course, before, _source_digests(), folder / "grades.csv"
 
 
-# Two courses: the labs whose points the grader re-measures must have the machine alone (make test grades them
-# in its second pass, after everything else), the others are graded beside the rest of the suite.
-@pytest.fixture(scope="module")
-def graded_measured_labs(released_course, tmp_path_factory):
-    return _grade(released_course, tmp_path_factory.mktemp("graded-measured"), sorted(MEASURED_CELLS))
-
-
-@pytest.fixture(scope="module")
-def graded_other_labs(released_course, tmp_path_factory):
-    labs = [lab for lab in LAB_NAMES if lab not in MEASURED_CELLS]
-    return _grade(released_course, tmp_path_factory.mktemp("graded-other"), labs)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "lab", [pytest.param(lab, marks=[pytest.mark.measured] if lab in MEASURED_CELLS else []) for lab in LAB_NAMES]
-)
-def test_grading_round_trip(request, lab):
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_grading_round_trip(graded_course, lab):
     """The solution, the untouched release and every attack, autograded, with feedback and an export."""
-    graded = "graded_measured_labs" if lab in MEASURED_CELLS else "graded_other_labs"
-    course, digests_before, digests_after, grades_csv = request.getfixturevalue(graded)
+    course, digests_before, digests_after, grades_csv = graded_course
     attacks = _attacks(lab)
     assert digests_after == digests_before, "grading a submission changed perflab's source or the environment"
 

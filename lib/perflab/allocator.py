@@ -3,7 +3,8 @@
     >>> import torch
     >>> from perflab.allocator import keep_freed_memory, page_faults
     >>> with page_faults() as faults:
-    ...     activations = torch.ones(2**22)   # 16 MiB of fresh memory: each 4 KiB page faults in when first written
+    ...     activations = torch.ones(2**24)   # 64 MiB, above any threshold glibc serves from freed memory:
+    ...                                       # fresh pages, each 4 KiB faulting in when first written
     >>> faults.count > 0                      # minor page faults inside the block; None where the system has no count
     True
     >>> keep_freed_memory()                   # for the rest of the process; False (changing nothing) without glibc

@@ -222,6 +222,19 @@ def _may_start_processes() -> bool:
     return not multiprocessing.current_process().daemon
 
 
+def _scatter_to_every_worker(client, bundle: CourseBundle, tries: int = 3):
+    """``bundle`` on every worker. A worker that dies during the broadcast (a machine lost) closes the scheduler's
+    connection: the broadcast is tried again, to the workers that are left."""
+    from distributed.comm.core import CommClosedError
+
+    for attempt in range(1, tries + 1):
+        try:
+            return client.scatter(bundle, broadcast=True)
+        except CommClosedError:
+            if attempt == tries:
+                raise
+
+
 def _check_workers(client, measured: bool) -> int:
     """The number of workers, once every one can grade: fail at once, saying how to start them, if one cannot."""
     workers = client.scheduler_info()["workers"]
@@ -296,7 +309,7 @@ def grade_class(
     futures, run = {}, uuid.uuid4().hex[:8]
     try:
         n_workers = _check_workers(client, bundle.measured)
-        bundle_future = client.scatter(bundle, broadcast=True)
+        bundle_future = _scatter_to_every_worker(client, bundle)
         resources = {MEASURED_RESOURCE: 1} if bundle.measured else None
 
         def submit(student: str, attempt: int, avoid: str = ""):
