@@ -1,4 +1,5 @@
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ def _deprecations_are_errors() -> str:
 
 
 def pytest_configure(config):
+    # A suite started in the background by a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored,
+    # and so would every process it starts: the tests that interrupt a grading or a kernel need it delivered.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Inherited by every kernel nbval starts; tests that start their own kernels (labs, browser) inherit it too.
     os.environ["PYTHONWARNINGS"] = _deprecations_are_errors()
 

@@ -16,7 +16,7 @@ do in a few seconds: see :mod:`perflab.doctor`.
 
 Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
 ``profiling``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``tradeoff``, ``floats``,
-``amp``, ``training_state``, ``compiling``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``attention``; the course's workloads in
+``roofline`` (FLOPs, bytes, MFU), ``amp``, ``training_state``, ``compiling``, ``launches``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
 ``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
 capstone's benchmark and grader in ``capstone``; grading outside the learner's kernel in ``grading``. The most used
