@@ -120,6 +120,18 @@ def test_a_rank_that_crashed_is_named_before_the_rank_torchrun_stopped(tmp_path,
         run.check()
 
 
+def test_an_error_file_cut_short_keeps_its_time_but_no_message(tmp_path):
+    # torchrun stops the other ranks as soon as one fails: one may be stopped halfway through writing its file.
+    attempt = tmp_path / "run_id" / "attempt_0"
+    for rank, error_json in ((0, ""), (1, json.dumps({"message": {"message": "ValueError: broke"}}))):
+        (attempt / str(rank)).mkdir(parents=True)
+        (attempt / str(rank) / "error.json").write_text(error_json)
+    outputs, errors = perflab.distributed._read_rank_logs(tmp_path)
+    assert outputs == {0: "", 1: ""}
+    assert errors[0][1] == "" and errors[1][1] == "ValueError: broke"
+    assert errors[0][0] > 0
+
+
 def _run_rank_process(script, *args):
     return subprocess.run(
         [sys.executable, "-m", "perflab.rank_process", str(script), *args], capture_output=True, text=True, timeout=60

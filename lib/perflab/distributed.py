@@ -276,8 +276,16 @@ def _read_rank_logs(log_dir: Path) -> tuple[dict[int, str], dict[int, tuple[int,
         )
         error_file = rank_dir / "error.json"
         if error_file.is_file():
-            errors[rank] = (error_file.stat().st_mtime_ns, json.loads(error_file.read_text())["message"]["message"])
+            errors[rank] = (error_file.stat().st_mtime_ns, _error_message(error_file.read_text()))
     return outputs, errors
+
+
+def _error_message(error_json: str) -> str:
+    """The error a rank recorded; empty when torchrun stopped the rank while it was still writing the file."""
+    try:
+        return json.loads(error_json)["message"]["message"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return ""
 
 
 def _failures(console: str, errors: dict[int, tuple[int, str]]) -> tuple[RankFailure, ...]:
