@@ -1,6 +1,7 @@
 # Three commands for a fresh machine:  make lab    (set up, then open the course)
 #                                      make check  (set up, then lint and the fast tests: under 3 minutes)
 #                                      make test   (set up, then run the whole test suite: under 20 minutes)
+#                                      make site   (set up, then build the course's website into build/site/html)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,13 +10,13 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # jupyter refuses to start as root unless told it may (containers, Binder-like machines).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab check test labs doctor clean
+.PHONY: setup lab check test site labs doctor clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[course,test]'
+	$(BIN)/python -m pip install --quiet -e '.[course,site,test]'
 	touch $@
 
 lab: setup
@@ -30,6 +31,10 @@ check: setup
 test: setup
 	$(BIN)/python -m pytest
 
+# The course as a website in build/site/html: runs the lectures whose content changed since the last build.
+site: setup
+	$(BIN)/python -m perflab site
+
 # Regenerate every student version in labs/ from its source in solutions/.
 labs: setup
 	$(BIN)/nbgrader generate_assignment "*" --force
@@ -38,4 +43,4 @@ doctor: setup
 	$(BIN)/python -m perflab doctor
 
 clean:
-	rm -rf $(VENV) gradebook.db submitted autograded feedback
+	rm -rf $(VENV) gradebook.db submitted autograded feedback build

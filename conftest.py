@@ -1,5 +1,9 @@
+import datetime
 import os
+import shutil
 import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,53 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
+    # The website's test comes last: it reuses the lectures as nbval ran them (see _keep_executed_lecture).
+    items.sort(key=lambda item: item.path.name == "test_site.py")
+
+
+def _executed_lectures_folder(config) -> Path:
+    if not hasattr(config, "_perflab_executed"):
+        config._perflab_executed = Path(tempfile.mkdtemp(prefix="perflab-executed-"))
+    return config._perflab_executed
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "_perflab_executed"):
+        shutil.rmtree(config._perflab_executed, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def executed_lectures(request) -> Path:
+    """The lectures this run executed under nbval, every cell passed, stamped and cached for the website."""
+    return _executed_lectures_folder(request.config)
+
+
+def _keep_executed_lecture(item, report) -> None:
+    """Collect a lecture's outputs cell by cell as nbval runs it; once every cell passed, cache the notebook."""
+    if item.path.parent.name != "lectures" or not hasattr(item, "test_outputs"):
+        return
+    runs = item.config.__dict__.setdefault("_perflab_lecture_runs", {})
+    run = runs.setdefault(item.path, {"start": time.perf_counter(), "passed": 0})
+    if report.when != "call":
+        return
+    item.cell.outputs, item.cell.execution_count = item.test_outputs or [], item.cell_num + 1
+    run["passed"] += report.passed
+    code_cells = sum(cell.cell_type == "code" for cell in item.parent.nb.cells)
+    if item.cell_num == code_cells - 1 and run["passed"] == code_cells:
+        from perflab.device import pick_device
+        from perflab.record import Execution, source_sha256, stamp
+        from perflab.render import Environment
+        from perflab.site import cache_executed
+
+        execution = Execution(
+            chapter=item.path.stem,
+            environment=Environment.capture(pick_device()),
+            source_sha256=source_sha256(item.path),
+            executed_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            seconds=round(time.perf_counter() - run["start"], 1),
+        )
+        stamp(item.parent.nb, execution)
+        cache_executed(item.parent.nb, _executed_lectures_folder(item.config))
 
 
 def _check_that_cannot_fail(item) -> str | None:
@@ -64,6 +115,7 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call" and report.passed and (problem := _check_that_cannot_fail(item)):
         report.outcome, report.longrepr = "failed", problem
+    _keep_executed_lecture(item, report)
     # Keep each phase's report on the test item, so a fixture can tell whether the test failed
     # (the browser test takes a screenshot then).
     setattr(item, f"rep_{report.when}", report)

@@ -1,4 +1,4 @@
-"""The ``perflab`` command: ``python -m perflab doctor``, ``... grade``, ``... bench capstone|grader|grading`` or ``... data``."""
+"""The ``perflab`` command: ``python -m perflab doctor``, ``... grade``, ``... bench capstone|grader|grading``, ``... data``, ``... record`` or ``... site``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser(
         "data", help="generate the course's datasets and their decode-once caches now, not at first use"
     )
+    record_parser = commands.add_parser(
+        "record",
+        help="run a lecture top to bottom and save it, with where it ran, as results/<chapter>/<device>.ipynb",
+    )
+    record_parser.add_argument("chapter", nargs="+", help="a lecture by number (01), topic (gpu_basics) or 'all'")
+    record_parser.add_argument("--results", type=Path, help="the folder to save into (default: the course's results/)")
+    site_parser = commands.add_parser(
+        "site", help="build the course's website: every lecture run (when changed), with its outputs"
+    )
+    site_parser.add_argument("--out", type=Path, help="the build folder (default: build/site)")
     # The capstone grader's isolated child process: a submission as JSON on stdin.
     commands.add_parser("grade-capstone")
     args = parser.parse_args(argv)
@@ -129,6 +139,22 @@ def main(argv: list[str] | None = None) -> int:
             CachedImages(split)
         print(images)
         print(char_corpus())
+    elif args.command == "record":
+        from perflab.record import RESULTS, chapter_path, chapters, record
+
+        names = chapters() if "all" in args.chapter else args.chapter
+        try:
+            for name in names:
+                chapter_path(name)  # every name checked before the first lecture runs
+        except ValueError as error:
+            parser.exit(2, f"python -m perflab record: {error}\n")
+        for name in names:
+            print(f"recorded {record(name, results=args.results or RESULTS)}")
+    elif args.command == "site":
+        from perflab.site import BUILD, build_site
+
+        site = build_site(args.out or BUILD)
+        print(f"built {site}\nopen {site.index.resolve().as_uri()}")
     elif args.command == "grade-capstone":
         from perflab.capstone import grade_from_stdin
 
