@@ -109,7 +109,7 @@ def _attacks(lab: str) -> list[str]:
 @pytest.fixture(scope="module")
 def graded_course(released_course, tmp_path_factory):
     """Every lab's solution, untouched release and attacks handed in, then graded as an instructor would:
-    one `nbgrader autograde`, `generate_feedback` and `export` over every lab (the assignment "*")."""
+    one `nbgrader autograde`, `generate_feedback` (of the solutions) and `export` over every lab (the assignment "*")."""
     folder = tmp_path_factory.mktemp("graded")
     course = released_course.copy_to(folder)
     for lab in LAB_NAMES:
@@ -119,7 +119,8 @@ def graded_course(released_course, tmp_path_factory):
             course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
     before = _source_digests()
     course.run("autograde", "*", "--force", timeout=3600)
-    course.run("generate_feedback", "*", "--force")
+    # Feedback for the reference solutions only: the test reads no other, and each page costs a notebook's HTML export.
+    course.run("generate_feedback", "*", "--student", "solved", "--force")
     course.run("export", "--to", str(folder / "grades.csv"))
     return course, before, _source_digests(), folder / "grades.csv"
 
