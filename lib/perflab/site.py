@@ -122,14 +122,15 @@ def _where(execution: Execution) -> str:
 def _lecture_page(notebook, runs: list[tuple[Path, Execution]]) -> nbformat.NotebookNode:
     execution = execution_of(notebook)
     lines = [
-        f"Every output below was produced while this site was built, in {execution.seconds:.0f} s, on {_where(execution)}."
+        f"Every output below comes from one run of this notebook, top to bottom, in {execution.seconds:.0f} s on the "
+        f"machine that built this site: {_where(execution)}."
     ]
     if runs:
         links = [
             f"[{run.environment.device_name}, {run.executed_at[:10]}](../results/{run.chapter}/{path.name})"
             for path, run in runs
         ]
-        lines += ["", "The same lecture recorded elsewhere: " + "; ".join(links) + "."]
+        lines += ["", "Recorded runs of this lecture: " + "; ".join(links) + "."]
     return _with_box(notebook, "Where these outputs were measured", lines)
 
 
