@@ -1,4 +1,3 @@
-import datetime
 import os
 import shutil
 import signal
@@ -74,26 +73,21 @@ def _keep_executed_lecture(item, report) -> None:
     if item.path.parent.name != "lectures" or not hasattr(item, "test_outputs"):
         return
     runs = item.config.__dict__.setdefault("_perflab_lecture_runs", {})
-    run = runs.setdefault(item.path, {"start": time.perf_counter(), "passed": 0})
+    if item.path not in runs:
+        code_cells = sum(cell.cell_type == "code" for cell in item.parent.nb.cells)
+        runs[item.path] = {"start": time.perf_counter(), "passed": 0, "code_cells": code_cells}
+    run = runs[item.path]
     if report.when != "call":
         return
     item.cell.outputs, item.cell.execution_count = item.test_outputs or [], item.cell_num + 1
     run["passed"] += report.passed
-    code_cells = sum(cell.cell_type == "code" for cell in item.parent.nb.cells)
-    if item.cell_num == code_cells - 1 and run["passed"] == code_cells:
+    if item.cell_num == run["code_cells"] - 1 and run["passed"] == run["code_cells"]:
         from perflab.device import pick_device
-        from perflab.record import Execution, source_sha256, stamp
+        from perflab.record import stamp
         from perflab.render import Environment
         from perflab.site import cache_executed
 
-        execution = Execution(
-            chapter=item.path.stem,
-            environment=Environment.capture(pick_device()),
-            source_sha256=source_sha256(item.path),
-            executed_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            seconds=round(time.perf_counter() - run["start"], 1),
-        )
-        stamp(item.parent.nb, execution)
+        stamp(item.parent.nb, item.path, Environment.capture(pick_device()), time.perf_counter() - run["start"])
         cache_executed(item.parent.nb, _executed_lectures_folder(item.config))
 
 

@@ -109,7 +109,15 @@ def execution_of(notebook: nbformat.NotebookNode) -> Execution | None:
     return Execution.from_dict(fields) if fields else None
 
 
-def stamp(notebook: nbformat.NotebookNode, execution: Execution) -> None:
+def stamp(notebook: nbformat.NotebookNode, path: Path, environment: Environment, seconds: float) -> None:
+    """Keep in ``notebook`` that it is the lecture at ``path``, run just now on ``environment`` in ``seconds``."""
+    execution = Execution(
+        chapter=path.stem,
+        environment=environment,
+        source_sha256=source_sha256(path),
+        executed_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        seconds=round(seconds, 1),
+    )
     notebook.metadata[METADATA_KEY] = execution.to_dict()
 
 
@@ -136,16 +144,7 @@ def execute(path: Path, *, progress: bool = True) -> nbformat.NotebookNode:
         )
         start = time.perf_counter()
         client.execute()
-    stamp(
-        notebook,
-        Execution(
-            chapter=path.stem,
-            environment=environment,
-            source_sha256=source_sha256(path),
-            executed_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            seconds=round(time.perf_counter() - start, 1),
-        ),
-    )
+    stamp(notebook, path, environment, time.perf_counter() - start)
     return notebook
 
 

@@ -71,10 +71,14 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
+def _cached(cache: Path, chapter: str, digest: str) -> Path:
+    return cache / f"{chapter}-{digest[:16]}.ipynb"
+
+
 def cache_executed(notebook: nbformat.NotebookNode, cache: Path) -> Path:
     """Keep an executed, stamped lecture in ``cache`` under its source's digest, replacing older runs."""
     execution = execution_of(notebook)
-    path = cache / f"{execution.chapter}-{execution.source_sha256[:16]}.ipynb"
+    path = _cached(cache, execution.chapter, execution.source_sha256)
     cache.mkdir(parents=True, exist_ok=True)
     for older in cache.glob(f"{execution.chapter}-*.ipynb"):
         older.unlink()
@@ -86,7 +90,7 @@ def cache_executed(notebook: nbformat.NotebookNode, cache: Path) -> Path:
 
 def _executed_lecture(path: Path, cache: Path, progress: bool) -> tuple[nbformat.NotebookNode, bool]:
     """The lecture at ``path`` executed: from the cache when its content is unchanged; True when run now."""
-    cached = cache / f"{path.stem}-{source_sha256(path)[:16]}.ipynb"
+    cached = _cached(cache, path.stem, source_sha256(path))
     if cached.is_file():
         return nbformat.read(cached, as_version=4), False
     notebook = execute(path, progress=progress)
@@ -111,12 +115,7 @@ def _with_box(notebook: nbformat.NotebookNode, title: str, lines: list[str]) -> 
 
 
 def _where(execution: Execution) -> str:
-    env = execution.environment
-    threads = "1 thread" if env.threads == 1 else f"{env.threads} threads"
-    return (
-        f"**{env.device}** ({env.device_name}, {threads}), torch {env.torch}, Python {env.python}, "
-        f"{execution.executed_at.replace('T', ' ')}, commit `{env.commit}`"
-    )
+    return f"{execution.environment}; run at {execution.executed_at.replace('T', ' ')}"
 
 
 def _lecture_page(notebook, runs: list[tuple[Path, Execution]]) -> nbformat.NotebookNode:
