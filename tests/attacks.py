@@ -31,6 +31,71 @@ time.perf_counter = lambda: _start + (_real_clock() - _start) / 5   # a clock th
 """
 
 
+# Everything of the course an answer cell can find: every notebook, database, JSON file and nbgrader configuration
+# it can see outside its own folder, the interpreter's, the data cache and its kernel's connection file (named on its
+# command line), and the course's folders where they would be.
+LEAK_PROBE = """
+import os
+import sys
+
+_own, _leaks = os.getcwd(), []
+_granted = tuple(os.path.realpath(p) + "/" for p in {sys.prefix, sys.base_prefix, "/usr", os.environ["PERFLAB_DATA"]})
+for _root, _dirs, _files in os.walk("/"):
+    _dirs[:] = [d for d in _dirs if os.path.join(_root, d) not in ("/proc", "/sys", "/dev")]
+    for _name in _files:
+        _path = os.path.join(_root, _name)
+        if _path.startswith(_own + "/") or os.path.realpath(_path).startswith(_granted) or _path in sys.argv:
+            continue
+        if _name.endswith((".ipynb", ".db", ".json")) or _name == "nbgrader_config.py":
+            try:
+                with open(_path, "rb") as _file:
+                    _leaks.append(f"{_path}: {_file.read(300)!r}")
+            except OSError as _error:
+                _leaks.append(f"{_path}: {_error}")
+for _guess in ("../../../gradebook.db", "../../../solutions", "../../../source", "../../../submitted",
+               "../../../.perflab-grading", "../../../nbgrader_config.py", "/root", "/home"):
+    _beside = [  # what a folder holds besides the way to the interpreter's folders
+        _entry for _entry in (os.listdir(_guess) if os.path.isdir(_guess) else [])
+        if not any(_path.startswith(os.path.realpath(os.path.join(_guess, _entry)) + "/") for _path in _granted)
+    ]
+    if _beside:
+        _leaks.append(f"{_guess}: {_beside}")
+    elif os.path.isfile(_guess):
+        _leaks.append(f"{_guess}: {open(_guess, 'rb').read(300)!r}")
+print("leak probe found:", _leaks)
+"""
+# Links in the kernel's folder that nbgrader's later steps (chmod, copying into feedback) would follow.
+LINKS = """
+import os
+
+os.symlink("../../../gradebook.db", "notes.txt")
+os.symlink("../../../solutions", "solutions")
+os.mkfifo("pipe")
+for _target in ("../../../gradebook.db", "/usr/lib/os-release"):
+    try:
+        os.link(_target, "hard_" + os.path.basename(_target))
+    except OSError as _error:
+        print("no hard link:", _error)
+"""
+# The SIGCONT ring: three processes, each burning CPU and waking the others, so that stopping them one at a time
+# never stops them all; only in the grader's child (not in the notebook's kernel).
+SIGCONT_RING = """
+import os
+import signal
+import sys
+import time
+
+if "ipykernel" not in sys.modules:
+    for _ in range(3):
+        if os.fork() == 0:
+            while True:
+                os.killpg(0, signal.SIGCONT)   # every process of the group, the child's main one included
+                _deadline = time.process_time() + 0.01
+                while time.process_time() < _deadline:
+                    pass
+"""
+
+
 def _grade_id(cell) -> str | None:
     return cell.metadata.get("nbgrader", {}).get("grade_id")
 
@@ -38,6 +103,69 @@ def _grade_id(cell) -> str | None:
 def _set(notebook, grade_id: str, source: str) -> None:
     next(cell for cell in notebook.cells if _grade_id(cell) == grade_id).source = source
 
+
+# A lazy lab 06 answer: the step only records its inputs and returns a stand-in for the loss; the real eager step
+# runs when the loss is read (float, item) or the block's parameters are asked for, after the grader's clock stopped.
+LAZY_FIXED_BLOCK = """
+class FixedBlock(PlantedBlock):
+    pending = []  # training steps left for later, in order
+
+    @staticmethod
+    def finish_pending():
+        with torch.enable_grad():  # the grader may ask for the parameters under no_grad
+            while FixedBlock.pending:
+                FixedBlock.pending.pop(0)()
+
+    def forward(self, x):
+        y = x * self.gain + self.shift
+        y = y * (self.limit / y.abs().amax().detach()).clamp(max=1.0)
+        y = F.gelu(y)
+        spread = y.var()
+        y = torch.where(spread > self.spread_limit, y / spread.sqrt(), y)
+        active = y > 0
+        y = y - (y * active).sum() / active.sum()
+        return x + torch.sigmoid(self.gate) * torch.tanh(y)
+
+    def parameters(self, recurse=True):
+        FixedBlock.finish_pending()
+        return super().parameters(recurse)
+"""
+LAZY_COMPILED_TRAINING_STEP = """
+class LazyLoss:
+    value = None
+
+    def settled(self):
+        FixedBlock.finish_pending()
+        return self.value
+
+    def __float__(self):
+        return float(self.settled())
+
+    def item(self):
+        return self.settled().item()
+
+
+def compiled_training_step(model, optimizer):
+    eager_step = eager_training_step(model, optimizer)
+
+    def step(inputs, targets):
+        loss = LazyLoss()
+
+        def run():
+            loss.value = eager_step(inputs, targets)
+
+        FixedBlock.pending.append(run)
+        return loss
+
+    return step
+"""
+
+
+LAB01 = {
+    # Reads what it can find of the course (solutions, gradebook, other submissions) into its own output, and leaves
+    # links to the gradebook and the sources, a FIFO and hard links for nbgrader to follow.
+    "leak": {"time_it": LEAK_PROBE + LINKS},
+}
 
 LAB02 = {
     # The kernel's clock and perflab.compare lie; preprocess_fast is the original, no faster.
@@ -53,6 +181,8 @@ def preprocess_fast(image, index):
     return preprocess(image, index)
 """
     },
+    # A verdict far over a pipe's 64 KiB: the reason the grader gives carries the learner's 100,000-character message.
+    "huge_message": {"preprocess_fast": 'def preprocess_fast(image, index):\n    raise ValueError("x" * 100_000)\n'},
     # Results from a table instead of training: instant, and wrong for the grader's seeds.
     "fake_results": {
         "preprocess_fast": """
@@ -104,26 +234,25 @@ def fast_epoch(images, labels, *, batch_size, seed):
 }
 
 LAB06 = {
-    # Not compiled at all; in the grader's process it forks two CPU hogs to slow the other side down.
+    # Not compiled at all; in the grader's child it starts a SIGCONT ring to slow the other side down while frozen.
     "eager_with_hogs": {
         "compiled_training_step": FAKE_PASS
+        + SIGCONT_RING
         + """
-import os
-import sys
-
 import perflab
 
 perflab.compare = lambda *args, **kwargs: _Pass()
-if "ipykernel" not in sys.modules:   # only in the grader's process
-    for _ in range(2):
-        if os.fork() == 0:
-            while True:
-                pass
 
 
 def compiled_training_step(model, optimizer):
     return eager_training_step(model, optimizer)
 """
+    },
+    # Times nothing: each step is queued and returns a loss object; the work runs when the grader reads the loss or
+    # the block's parameters, after its clock has stopped.
+    "lazy_step": {
+        "fixed_block": LAZY_FIXED_BLOCK,
+        "compiled_training_step": LAZY_COMPILED_TRAINING_STEP,
     },
     # Fast because it skips the backward pass and the update: the losses stop falling.
     "no_update": {
@@ -219,6 +348,22 @@ for path, text in ((perflab.capstone.__file__, "\\nMIN_SPEEDUP = 1.0\\n"),
         print("could not write:", error)
 """,
     "too_slow": TOO_SLOW,
+    # Configurations that would fork 4096 workers, ask for ~120 GB, or carry 100,000 characters into every message.
+    "unbounded": """
+data_config = replace(NAIVE, name="x" * 100_000, pipeline="cached", log_every=50)
+batch_config = replace(NAIVE, name="batch", pipeline="cached", batch_size=64, num_workers=4096)
+ckpt_config = replace(batch_config, name="checkpointed", checkpoint_blocks=True, batch_size=10**7)
+final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=64, accumulation_steps=10**6)
+""",
+    # Each hidden test sees other configurations: a fast batch_config for part 3, a slowed-down one for part 4
+    # (so that amp_config looks faster or slower at will), and an amp_config that changes more than the dtype.
+    "inconsistent": 'batch_config = replace(NAIVE, name="batch 64", pipeline="cached", batch_size=64, log_every=50)\n',
+}
+# The "inconsistent" attack's later answers: after part 3 has handed in its batch_config, another one.
+INCONSISTENT_LATER = {
+    "amp_config": "batch_config = replace(batch_config, num_workers=2, log_every=1)\n"
+    'amp_config = replace(batch_config, name="bf16", amp_dtype="bfloat16", log_every=50)',
+    "ckpt_config": 'ckpt_config = replace(batch_config, name="ckpt", checkpoint_blocks=True, batch_size=128, lr=0.5)',
 }
 SHADOW_PERFLAB = '''"""Not the course's perflab: a package of the same name beside the notebook, which the kernel imports first."""
 import os
@@ -239,8 +384,14 @@ import perflab.capstone  # noqa: E402
 perflab.capstone.grade = lambda *args, **kwargs: _Pass()
 '''
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
-NEEDS_SANDBOX = {"writes_grader"}
-ATTACKS = {"lab02_profiling": LAB02, "lab03_data_loading": LAB03, "lab06_compile": LAB06, "lab10_capstone": LAB10}
+NEEDS_SANDBOX = {"writes_grader", "leak"}
+ATTACKS = {
+    "lab01_timing": LAB01,
+    "lab02_profiling": LAB02,
+    "lab03_data_loading": LAB03,
+    "lab06_compile": LAB06,
+    "lab10_capstone": LAB10,
+}
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
 # own cells, from its copy of the lab.
@@ -269,7 +420,8 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
         for grade_id, source in attack.items():
             _set(notebook, grade_id, source)
         return notebook, {}
+    answered_later = INCONSISTENT_LATER if name == "inconsistent" else {}
     for grade_id in ("data_config", "batch_config", "amp_config", "keep_amp", "ckpt_config", "final_config"):
-        _set(notebook, grade_id, "# answered above")
+        _set(notebook, grade_id, answered_later.get(grade_id, "# answered above"))
     files = {"perflab/__init__.py": SHADOW_PERFLAB} if name == "shadow_module" else {}
     return notebook, files

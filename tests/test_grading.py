@@ -17,12 +17,21 @@ from pathlib import Path
 import perflab
 import psutil
 import pytest
+from attacks import LEAK_PROBE
 from perflab.bench import Comparison, Timing
 from perflab.capstone import measure_submission, refusal
 from perflab.grading import hand_in
 from perflab.grading.answers import HAND_IN_MARKER, AnswerError, handed_in, train_config
 from perflab.grading.child import AnswerProcess, ChildError
-from perflab.grading.sandbox import bwrap_works, pristine_perflab, sandbox_command, trusted_python
+from perflab.grading.course import REPO
+from perflab.grading.sandbox import (
+    RESOURCE_LIMITS,
+    bwrap_works,
+    granted_paths,
+    pristine_perflab,
+    sandbox_command,
+    trusted_python,
+)
 from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, Verdict, noise_problems
 from perflab.train import NAIVE, OPTIMIZED
 
@@ -144,17 +153,25 @@ def test_the_trusted_python_imports_perflab_from_a_pristine_copy(tmp_path):
 
 
 @needs_bwrap
-def test_the_sandbox_hides_the_course_and_lets_write_only_its_folder(tmp_path):
+def test_the_sandbox_starts_from_nothing_and_lets_write_only_its_folder(tmp_path, monkeypatch):
+    """Nothing of a course is visible, this repository's included (a course with its .venv inside), even from a
+    process started in the course with the course on sys.path (`python -m nbgrader` there)."""
     course = tmp_path / "course"
     workdir = course / "autograded" / "ada" / "lab10_capstone"
     workdir.mkdir(parents=True)
     (course / "solutions").mkdir()
     (course / "solutions" / "answers.txt").write_text("the reference answers")
+    (course / "gradebook.db").write_text("grades")
+    monkeypatch.chdir(course)
+    monkeypatch.setattr(sys, "path", ["", str(course), str(REPO), *sys.path])
+    assert not [path for path in granted_paths() if Path(path).is_relative_to(course) or Path(path) == REPO]
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
-    probe = f"""
-import os, socket, sysconfig, subprocess, sys
+    probe = (
+        LEAK_PROBE
+        + f"""
+import os, resource, socket, sysconfig, subprocess, sys
 import perflab
 results = {{}}
 def attempt(name, action):
@@ -164,25 +181,35 @@ def attempt(name, action):
     except Exception as error:
         results[name] = type(error).__name__
 attempt("read solutions", lambda: open({str(course / "solutions" / "answers.txt")!r}).read())
+attempt("list the repository", lambda: os.listdir({str(REPO / "solutions")!r}))
 attempt("append to perflab", lambda: open(os.path.join(os.path.dirname(perflab.__file__), "capstone.py"), "a").write("#"))
 attempt("write sitecustomize", lambda: open(os.path.join(sysconfig.get_paths()["purelib"], "sitecustomize.py"), "w"))
 attempt("write its folder", lambda: open("answer.txt", "w").write("mine"))
+attempt("write a file over the size limit", lambda: open("big", "wb").truncate({RESOURCE_LIMITS["fsize"] + 1}))
+attempt("resolve localhost and this machine", lambda: [socket.gethostbyname(h) for h in ("localhost", socket.gethostname())])
 attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsockname()[1]}), timeout=2))
+results["open files"] = resource.getrlimit(resource.RLIMIT_NOFILE)
 subprocess.Popen([sys.executable, "-c", "import time\\nwhile True:\\n    open('heartbeat', 'a').write('.')\\n    time.sleep(0.05)"],
                  start_new_session=True)
 print(results)
 """
-    command = sandbox_command([sys.executable, "-c", probe], workdir=str(workdir), hidden=[str(course)])
+    )
+    command = sandbox_command([sys.executable, "-c", probe], workdir=str(workdir))
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     server.close()
     assert run.returncode == 0, run.stderr
+    assert "leak probe found: []" in run.stdout, run.stdout
     results = eval(run.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe's dict
     assert results == {
         "read solutions": "FileNotFoundError",
-        "append to perflab": "OSError",
+        "list the repository": "FileNotFoundError",
+        "append to perflab": "PermissionError",
         "write sitecustomize": "OSError",
         "write its folder": "done",
+        "write a file over the size limit": "OSError",
+        "resolve localhost and this machine": "done",  # torchrun's rendezvous, on the loopback
         "connect": "ConnectionRefusedError",
+        "open files": (RESOURCE_LIMITS["nofile"],) * 2,
     }, results  # the host's listener is not there
     assert (workdir / "answer.txt").read_text() == "mine"
     time.sleep(0.3)
@@ -190,6 +217,20 @@ print(results)
     time.sleep(0.5)
     after = (workdir / "heartbeat").stat().st_size if (workdir / "heartbeat").exists() else 0
     assert after == beats, "a process the sandboxed code started in the background outlived it"
+
+
+@needs_bwrap
+def test_the_trusted_grader_starts_sandboxed_children_too():
+    """The grader runs `python -I -S`, which knows the virtualenv only by its executable: its children still run."""
+    script = (
+        "from perflab.grading.child import AnswerProcess\n"
+        "child = AnswerProcess([('answer', 'import torch')], handlers='perflab.grading.code_labs')\n"
+        "child.close()\nprint('started')\n"
+    )
+    command = trusted_python("perflab.grading.child")
+    command[-1] = command[-1].split("import runpy")[0] + f"exec({script!r})"
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "started", run.stderr[-2000:]
 
 
 LAB02_LIKE = """
@@ -284,3 +325,113 @@ def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():
     assert failures == ["the candidate's result differs"] and problems == []
     assert children[1].runs == 3 and len(comparison.ratios) == 3, "no timing after the first wrong result"
     assert "stopped after 3 round(s)" in _ratio_text(comparison, "yours over the reference")
+
+
+def _stand_in_grader(monkeypatch, script: str) -> None:
+    """The trusted grading process replaced by ``script``, to see what the instructor's side makes of it."""
+    monkeypatch.setattr("perflab.grading.nbgrader.trusted_python", lambda module: [sys.executable, "-c", script])
+
+
+def test_a_grader_that_floods_its_pipes_and_hangs_is_stopped_at_its_limit(monkeypatch):
+    from perflab.grading.nbgrader import TrustedMeasurement
+
+    _stand_in_grader(
+        monkeypatch,
+        "import sys, time, subprocess\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"  # a grandchild that holds on
+        "sys.stdout.write('x' * 200_000); sys.stdout.flush(); sys.stderr.write('grader: ' + 'y' * 200_000)\n"
+        "time.sleep(60)\n",
+    )
+    start = time.perf_counter()
+    verdicts = TrustedMeasurement(timeout=2)._run({"handed_in": {"test_regrade": {}}})
+    assert time.perf_counter() - start < 10, "the grader ran past its limit"
+    assert verdicts["test_regrade"].status == "error" and "limit of 2 s" in verdicts["test_regrade"].reasons[0]
+
+
+def test_a_verdict_line_far_over_a_pipe_is_read_whole(monkeypatch):
+    from perflab.grading.nbgrader import TrustedMeasurement
+
+    verdict = Verdict.refused("ValueError: " + "x" * 100_000)
+    _stand_in_grader(
+        monkeypatch,
+        f"import sys\nsys.stderr.write('noise ' * 50_000)\nprint({json.dumps({'test_regrade': verdict.to_dict()})!r})",
+    )
+    verdicts = TrustedMeasurement(timeout=60)._run({"handed_in": {"test_regrade": {}}})
+    assert verdicts == {"test_regrade": Verdict.from_dict(verdict.to_dict())}
+    assert len(verdicts["test_regrade"].reasons[0]) < 2100, "a reason is capped"
+
+
+@pytest.mark.parametrize(
+    "script, status",
+    [("raise SystemExit(3)", "error"), ("print('not json')", "error"), ("import os; os.abort()", "error")],
+)
+def test_a_grader_that_fails_gives_grading_failed_never_a_fail(monkeypatch, script, status):
+    from perflab.grading.nbgrader import TrustedMeasurement
+
+    _stand_in_grader(monkeypatch, script)
+    verdict = TrustedMeasurement(timeout=60)._run({"handed_in": {"test_data": {}}})["test_data"]
+    assert verdict.status == status and not verdict.passed and "grading failed" in verdict.text().lower()
+
+
+def _measured_notebook(handed: dict):
+    """A lab 10 notebook whose test_regrade cell handed in ``handed``, as the kernel left it."""
+    import nbformat
+
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        hand_in(**handed)
+    cell = nbformat.v4.new_code_cell(
+        "", outputs=[nbformat.v4.new_output("stream", name="stdout", text=printed.getvalue())]
+    )
+    cell.metadata["nbgrader"] = {"grade_id": "test_regrade", "grade": True, "solution": False, "locked": True}
+    return nbformat.v4.new_notebook(cells=[cell])
+
+
+@pytest.mark.parametrize("status, cached", [("pass", True), ("fail", True), ("inconclusive", False), ("error", False)])
+def test_only_a_measurement_is_kept_for_the_next_grading(tmp_path, monkeypatch, status, cached):
+    from perflab.grading import nbgrader as grading
+    from traitlets.config import Config
+
+    (tmp_path / "solutions" / "lab10_capstone").mkdir(parents=True)
+    source = REPO / "solutions" / "lab10_capstone" / "lab10_capstone.ipynb"
+    (tmp_path / "solutions" / "lab10_capstone" / "lab10_capstone.ipynb").write_bytes(source.read_bytes())
+    verdict = Verdict(status, "measured", ("why",))
+    runs = []
+    monkeypatch.setattr(
+        grading.TrustedMeasurement, "_run", lambda self, job: runs.append(job) or {"test_regrade": verdict}
+    )
+    resources = {"nbgrader": {"assignment": "lab10_capstone", "notebook": "lab10_capstone", "student": "ada"}}
+    measurement = grading.TrustedMeasurement(
+        config=Config({"CourseDirectory": {"root": str(tmp_path), "source_directory": "solutions"}})
+    )
+    for _ in range(2):
+        measurement.preprocess(_measured_notebook({"final_config": OPTIMIZED}), resources)
+    assert len(runs) == (1 if cached else 2)
+    assert len(list((tmp_path / ".perflab-grading").glob("verdicts/*.json"))) == (1 if cached else 0)
+
+
+def test_the_verdict_cache_key_names_the_gpus_and_the_grading_code():
+    import importlib.metadata
+
+    from perflab.grading.nbgrader import _gpus, _machine
+
+    key = _machine()
+    assert _gpus() in key and importlib.metadata.version("torch") in key
+    assert any(isinstance(part, str) and len(part) == 64 for part in key), "the grading code's digest"
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_a_notebook_of_cells_each_under_the_cell_limit_still_ends_at_the_notebook_limit(tmp_path):
+    import nbformat
+    from nbclient.exceptions import CellTimeoutError
+    from perflab.grading.nbgrader import SandboxedExecute
+
+    cells = ["import time\ntime.sleep(1)\nprint('ran')", "time.sleep(30)", "time.sleep(30)", "print('never')"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    start = time.perf_counter()
+    with pytest.raises(CellTimeoutError):
+        SandboxedExecute(timeout=40, notebook_timeout=4).preprocess(notebook, {"metadata": {"path": str(tmp_path)}})
+    assert time.perf_counter() - start < 25, "the notebook ran past its limit"
+    assert notebook.cells[0].outputs[0].text == "ran\n" and not notebook.cells[3].outputs

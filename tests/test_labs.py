@@ -6,6 +6,9 @@ import csv
 import filecmp
 import hashlib
 import json
+import os
+import re
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -106,10 +109,36 @@ def _attacks(lab: str) -> list[str]:
     return [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
 
 
+_NOT_DECIDED = ("GraderInconclusive", "GraderError")  # what perflab grade grades again: noise, a grader that failed
+_REGRADES = 3
+_TIMESTAMPED_LOG = ["--Application.log_datefmt=%s", "--Application.log_format=%(asctime)s %(message)s"]
+
+
+def _not_decided(course: NbgraderCourse) -> list[tuple[str, str]]:
+    """The (lab, student) pairs whose autograded notebook shows an inconclusive measurement or a failed grading."""
+    return sorted(
+        (path.parent.name, path.parent.parent.name)
+        for path in (course.root / "autograded").glob("*/*/*.ipynb")
+        if any(name in path.read_text() for name in _NOT_DECIDED)
+    )
+
+
+def _grading_seconds(log: str) -> dict[tuple[str, str], float]:
+    """Seconds each (lab, student) took in one nbgrader autograde run, from its timestamped log lines."""
+    starts = [
+        (int(match.group(1)), match.group(3), match.group(2))
+        for match in re.finditer(r"^(\d+) Converting notebook .*/submitted/([^/]+)/([^/]+)/", log, re.M)
+    ]
+    ends = [start for start, *_ in starts[1:]] + [int(re.findall(r"^(\d+) ", log, re.M)[-1])]
+    return {(lab, student): end - start for (start, lab, student), end in zip(starts, ends)}
+
+
 @pytest.fixture(scope="module")
 def graded_course(released_course, tmp_path_factory):
     """Every lab's solution, untouched release and attacks handed in, then graded as an instructor would:
-    one `nbgrader autograde`, `generate_feedback` (of the solutions) and `export` over every lab (the assignment "*")."""
+    one `nbgrader autograde` over every lab (the assignment "*"), each submission whose measurement was
+    inconclusive or whose grading failed graded again (as `perflab grade` does, up to 3 times), then
+    `generate_feedback` (of the solutions and the leak attack) and `export`."""
     folder = tmp_path_factory.mktemp("graded")
     course = released_course.copy_to(folder)
     for lab in LAB_NAMES:
@@ -118,18 +147,37 @@ def graded_course(released_course, tmp_path_factory):
         for name in _attacks(lab):
             course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
     before = _source_digests()
-    course.run("autograde", "*", "--force", timeout=3600)
-    # Feedback for the reference solutions only: the test reads no other, and each page costs a notebook's HTML export.
+    gradebook_mode = (course.root / "gradebook.db").stat().st_mode
+    seconds = _grading_seconds(course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=3600))
+    for _ in range(_REGRADES - 1):
+        for lab, student in _not_decided(course):
+            log = course.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=1800)
+            seconds.update(_grading_seconds(log))
+    # Feedback for the reference solutions and the leak only: the tests read no other, and each page costs an export.
     course.run("generate_feedback", "*", "--student", "solved", "--force")
+    if "leak" in _attacks("lab01_timing"):
+        course.run("generate_feedback", "lab01_timing", "--student", "attack_leak", "--force", timeout=300)
     course.run("export", "--to", str(folder / "grades.csv"))
-    return course, before, _source_digests(), folder / "grades.csv"
+    _write_grading_times(course, seconds)
+    return course, before, _source_digests(), folder / "grades.csv", gradebook_mode
+
+
+def _write_grading_times(course: NbgraderCourse, seconds: dict[tuple[str, str], float]) -> None:
+    """What each submission scored and how long its (last) grading took, for the record: build/grading-times.tsv."""
+    lines = ["lab\tstudent\tpoints\tmax\tseconds"]
+    with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
+        for (lab, student), took in sorted(seconds.items()):
+            submission = gradebook.find_submission(lab, student)
+            lines.append(f"{lab}\t{student}\t{submission.score:g}\t{submission.max_score:g}\t{took:.0f}")
+    (REPO / "build").mkdir(exist_ok=True)
+    (REPO / "build" / "grading-times.tsv").write_text("\n".join(lines) + "\n")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LAB_NAMES)
 def test_grading_round_trip(graded_course, lab):
     """The solution, the untouched release and every attack, autograded, with feedback and an export."""
-    course, digests_before, digests_after, grades_csv = graded_course
+    course, digests_before, digests_after, grades_csv, _ = graded_course
     attacks = _attacks(lab)
     assert digests_after == digests_before, "grading a submission changed perflab's source or the environment"
 
@@ -173,9 +221,43 @@ def test_grading_round_trip(graded_course, lab):
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
         assert "FAIL" in another_task and "accuracy" in another_task, another_task
+        unbounded = _measured_outputs(course, "attack_unbounded", lab)
+        assert "num_workers=4096 is over the grader's bound" in unbounded["test_amp"], unbounded
+        assert "over the grader's bound of 65,536 bytes" in unbounded["test_batch"], unbounded
+        assert "accumulation_steps=1000000 is over the grader's bound" in unbounded["test_regrade"], unbounded
+        assert all("not measured" in text and len(text) < 5000 for text in unbounded.values()), unbounded
+        inconsistent = _measured_outputs(course, "attack_inconsistent", lab)
+        assert all("not measured" in inconsistent[cell] for cell in ("test_batch", "test_amp", "test_ckpt"))
+    if lab == "lab02_profiling":
+        huge = _measured_outputs(course, "attack_huge_message", lab)["test_preprocess_speed"]
+        assert "FAIL" in huge and "ValueError" in huge and len(huge) < 5000, huge[:300]
 
     # nbgrader exports a row per student of the course and assignment; a student who handed nothing in scores 0.
     with open(grades_csv) as grades:
         rows = {row["student_id"]: row for row in csv.DictReader(grades) if row["assignment"] == lab}
     assert {"solved", "untouched", *(f"attack_{name}" for name in attacks)} <= set(rows)
     assert float(rows["solved"]["score"]) == scores["solved"] > 0 and float(rows["untouched"]["score"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not bwrap_works(), reason="the sandbox needs bubblewrap (apt-get install bubblewrap)")
+def test_no_answer_reads_the_course_or_leads_out_of_its_folder(graded_course):
+    """Lab 01's leak attack: its kernel finds nothing of the course, and nbgrader follows none of its links."""
+    course, *_, gradebook_mode = graded_course
+    lab = "lab01_timing"
+    folders = [course.root / kind / "attack_leak" / lab for kind in ("autograded", "feedback")]
+    notebook = (folders[0] / f"{lab}.ipynb").read_text()
+    assert "leak probe found: []" in notebook, "the probe did not run, or found something"
+    handed_back = {path: path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
+    assert any(path.suffix == ".html" for path in handed_back), "no feedback was generated"
+    secrets = [b"SQLite format 3", str(course.root / "gradebook.db").encode(), b"/submitted/"]
+    secrets += [f"solutions/{other}".encode() for other in LAB_NAMES if other != lab]
+    for path, content in handed_back.items():
+        found = [secret.decode() for secret in secrets if secret in content]
+        assert not found, f"{path.relative_to(course.root)} holds {found}"
+    for folder in folders:
+        for root, folders_here, files in os.walk(folder):
+            for name in folders_here + files:
+                mode = os.lstat(os.path.join(root, name)).st_mode
+                assert stat.S_ISDIR(mode) or stat.S_ISREG(mode), f"{root}/{name} is a link or special file"
+    assert (course.root / "gradebook.db").stat().st_mode == gradebook_mode, "grading changed the gradebook's mode"

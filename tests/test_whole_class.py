@@ -16,8 +16,10 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from attacks import build_attack
 from perflab.distributed import free_port
 from perflab.grading.course import NbgraderCourse
+from perflab.grading.sandbox import bwrap_works
 from perflab.grading.whole_class import MEASURED_RESOURCE, ClassGrading, SubmissionGrading, grade_class
 from perflab.grading.working_copy import Graded, _failure_reason, autograde_fields, machine_lock
 
@@ -103,12 +105,17 @@ def test_a_class_graded_on_dask_equals_serial_autograde(released_course, schedul
     broken.mkdir(parents=True)
     (broken / f"{LAB}.ipynb").write_text("{ this is not a notebook")
     dask_course.submit_notebook("hanging", LAB, _hanging(dask_course.root / "solutions" / LAB), {})
+    if bwrap_works():
+        dask_course.submit_notebook("leaky", LAB, *build_attack(LAB, "leak"))
     serial_course = dask_course.copy_to(tmp_path / "serial")
     students = sorted(path.name for path in (dask_course.root / "submitted").iterdir())
 
-    # Lab 01 is unmeasured, so its scores do not depend on the load: the serial reference grades meanwhile.
+    # Lab 01 is unmeasured, so its scores do not depend on the load: the serial reference grades meanwhile, run as
+    # `python -m nbgrader` from the course's folder (its folder on sys.path).
     with concurrent.futures.ThreadPoolExecutor(1) as serial:
-        serial_run = serial.submit(serial_course.run, "autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}")
+        serial_run = serial.submit(
+            serial_course.run, "autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}", as_module=True
+        )
         result = grade_class(
             dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=CELL_TIMEOUT_S, progress=False
         )
@@ -121,7 +128,11 @@ def test_a_class_graded_on_dask_equals_serial_autograde(released_course, schedul
         "broken": "failed",
         "hanging": "failed",
         **{f"learner{n}": "graded" for n in range(4)},
+        **({"leaky": "graded"} if bwrap_works() else {}),
     }
+    for course in (dask_course, serial_course) if bwrap_works() else ():  # a worker's working copy, the course root
+        leaky = (course.root / "autograded" / "leaky" / LAB / f"{LAB}.ipynb").read_text()
+        assert "leak probe found: []" in leaky and "/submitted/" not in leaky and "SQLite format" not in leaky
     assert "NotJSONError" in status["broken"].reason
     assert "time limit" in status["hanging"].reason
     assert status["learner0"].score > 0 and status["learner3"].score == 0
@@ -132,7 +143,8 @@ def test_a_class_graded_on_dask_equals_serial_autograde(released_course, schedul
     exported = [sorted((c.root / "grades.csv").read_text().splitlines()) for c in (dask_course, serial_course)]
     assert exported[0] == exported[1]  # the same rows, in the order each gradebook created its submissions
     assert sorted(p.parent.name for p in (dask_course.root / "feedback").glob(f"*/{LAB}")) == [
-        f"learner{n}" for n in range(4)
+        *(["leaky"] if bwrap_works() else []),
+        *(f"learner{n}" for n in range(4)),
     ]
 
 
@@ -213,12 +225,14 @@ def _trimmed_release(course: NbgraderCourse, lab: str) -> nbformat.NotebookNode:
 def test_measured_gradings_never_share_a_machine(released_course, scheduler, tmp_path):
     lab = "lab10_capstone"
     course = released_course.copy_to(tmp_path)
-    for student in ("first", "second"):
-        course.submit_notebook(student, lab, _trimmed_release(course, lab), {})
-    result = grade_class(course.root, lab, scheduler=scheduler[0], progress=False)
+    course.submit_notebook("first", lab, _trimmed_release(course, lab), {})
+    # Its answers carry 100,000 characters into the grader's verdicts: its grading ends, and so does the other one.
+    course.submit_notebook("second", lab, *build_attack(lab, "unbounded"))
+    result = grade_class(course.root, lab, scheduler=scheduler[0], progress=False, timeout_s=900)
 
     assert [g.status for g in result.gradings] == ["graded", "graded"]
-    assert all(g.score == 0 for g in result.gradings)
+    first, second = result.gradings
+    assert first.score == 0 and second.score < second.max_score  # the attack scores only the unmeasured cells
     (a, b) = sorted(result.gradings, key=lambda g: g.started)
     assert a.ended <= b.started, f"two measured gradings overlapped: {a} and {b}"
 
@@ -315,7 +329,7 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
     from perflab.grading import whole_class
 
     course = released_course.copy_to(tmp_path)
-    for student in ("steady", "noisy"):
+    for student in ("steady", "noisy", "crashing"):
         course.submit(student, "lab10_capstone", course.root / "labs" / "lab10_capstone")
 
     def noisy_for_one(bundle, submission, **_):
@@ -329,6 +343,9 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
                 ended=now,
                 worker="a noisy machine",
             )
+        if submission.student == "crashing":
+            reason = "grading failed, not scored: test_regrade (the grader crashed or ran too long)"
+            return Graded(submission.student, "failed", reason, not_scored=True, started=now, ended=now)
         return _graded_without_a_kernel(submission, now)
 
     monkeypatch.setattr(whole_class, "grade_in_working_copy", noisy_for_one)
@@ -345,4 +362,6 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
     assert status["noisy"].score is None and status["steady"].status == "graded"
     assert not (course.root / "autograded" / "noisy").exists(), "an inconclusive grading must not be merged"
     assert [r["status"] for r in _log(course) if r["student"] == "noisy"] == ["inconclusive"] * 3
+    assert status["crashing"].status == "failed" and status["crashing"].attempts == 3, "a grader's failure: again"
+    assert not (course.root / "autograded" / "crashing").exists(), "so that the next run grades it again"
     assert not result.complete

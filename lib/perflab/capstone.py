@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 import perflab
 from perflab.bench import Comparison, Timing, interleaved_rounds, median_ratio
 from perflab.device import device_name, pick_device
-from perflab.grading.answers import train_config
+from perflab.grading.answers import AnswerError, out_of_range, train_config
 from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, noise_problems
 from perflab.render import Environment, Markup, Table
 from perflab.train import NAIVE, OPTIMIZED, TrainConfig, Workload, train
@@ -251,13 +251,17 @@ class CapstoneGrade:
 
 
 def refusal(config: TrainConfig) -> str | None:
-    """Why ``config`` changes the task rather than the way it is done, or None."""
+    """Why ``config`` changes the task, or asks more of the grading host than the grader runs; None when neither.
+
+    The bounds are the grader's own (:func:`perflab.grading.answers.out_of_range`), so that this
+    check in the learner's kernel refuses exactly what the grader will refuse after hand-in.
+    """
     if config.pipeline == "memory":
         return (
             "pipeline='memory' steps on a few cached batches over and over: it is the compute ceiling, "
             "not a training run over the course's data"
         )
-    return None
+    return out_of_range(config)
 
 
 def measure_speeds(
@@ -307,6 +311,22 @@ def baseline_accuracy(device: torch.device, cache_dir: str | None = None) -> flo
     return accuracy
 
 
+def _refused(fields: dict, reason: str, device: torch.device) -> CapstoneGrade:
+    """A fail decided before any measurement."""
+    return CapstoneGrade(
+        status="fail",
+        reasons=(reason,),
+        speedup=None,
+        interval=None,
+        baseline_samples_per_s=None,
+        candidate_samples_per_s=None,
+        baseline_accuracy=None,
+        candidate_accuracy=None,
+        config=fields,
+        environment=Environment.capture(device),
+    )
+
+
 def measure_submission(
     config: TrainConfig,
     *,
@@ -321,18 +341,8 @@ def measure_submission(
     rounds; if it is still noisy the grade is ``inconclusive``, neither a pass nor a fail.
     """
     device = pick_device(device)
-    not_measured = dict(
-        speedup=None,
-        interval=None,
-        baseline_samples_per_s=None,
-        candidate_samples_per_s=None,
-        baseline_accuracy=None,
-        candidate_accuracy=None,
-        config=asdict(config),
-        environment=Environment.capture(device),
-    )
     if refusal(config):
-        return CapstoneGrade(status="fail", reasons=(refusal(config),), **not_measured)
+        return _refused(asdict(config), refusal(config), device)
     for attempt_rounds in (rounds, 2 * rounds):
         (baseline, candidate), load = measure_speeds([NAIVE, config], rounds=attempt_rounds, device=device, log=log)
         comparison = speedup_of(baseline, candidate, config.name)
@@ -421,6 +431,11 @@ def grade(config: TrainConfig, *, timeout_s: float = 900) -> CapstoneGrade:
 
 def grade_from_stdin() -> None:
     """The child's side of :func:`grade`: a configuration as JSON on stdin, the grade as JSON on stdout."""
-    config = train_config(json.loads(sys.stdin.read()))
+    answer = json.loads(sys.stdin.read())
+    try:
+        config = train_config(answer)
+    except AnswerError as error:  # over a bound, say: refused here as the grader refuses it
+        print(json.dumps(asdict(_refused(answer["TrainConfig"], str(error), pick_device()))))
+        return
     grade = measure_submission(config, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
     print(json.dumps(asdict(grade)))

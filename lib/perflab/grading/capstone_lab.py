@@ -24,6 +24,7 @@ Used by perflab.grading.session.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -43,7 +44,7 @@ from perflab.grading.verdict import Verdict, noise_problems
 from perflab.memory import saved_tensors
 from perflab.train import NAIVE, TrainConfig, build_model, train
 
-__all__ = ["AMP_MARGIN", "AMP_STEPS", "BATCH_SPEEDUP", "DATA_SPEEDUP", "HANDED_IN", "grade_capstone_lab"]
+__all__ = ["AMP_MARGIN", "AMP_STEPS", "BATCH_SPEEDUP", "DATA_SPEEDUP", "HANDED_IN", "MAY_CHANGE", "grade_capstone_lab"]
 
 DATA_SPEEDUP = 1.3  # part 2: decode once, no per-step syncs, same batch
 BATCH_SPEEDUP = 1.2  # part 3: a larger batch over part 2's pipeline
@@ -57,10 +58,22 @@ HANDED_IN = {
     "test_ckpt": ("ckpt_config", "batch_config"),
     "test_regrade": ("final_config",),
 }
+# The fields a part's configuration may change of batch_config (its name aside): a part measures
+# its one change, so a slower amp_config with KEEP_AMP = False cannot pass by other changes.
+MAY_CHANGE = {"amp_config": ("amp_dtype",), "ckpt_config": ("checkpoint_blocks", "batch_size")}
 
 
 def _key(config: TrainConfig) -> tuple:
     return tuple(value for name, value in asdict(config).items() if name != "name")
+
+
+def _changed(config: TrainConfig, other: TrainConfig, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The fields, besides ``name`` and ``allowed``, in which ``config`` and ``other`` differ."""
+    return [
+        name
+        for name, value in asdict(config).items()
+        if name not in ("name", *allowed) and value != getattr(other, name)
+    ]
 
 
 def _configs(answers: dict, names: tuple[str, ...]) -> dict[str, TrainConfig]:
@@ -69,10 +82,39 @@ def _configs(answers: dict, names: tuple[str, ...]) -> dict[str, TrainConfig]:
         if name not in answers:
             raise AnswerError(f"{name} was not handed in")
         if name.endswith("_config"):
-            configs[name] = train_config(answers[name])
+            try:
+                configs[name] = train_config(answers[name])
+            except AnswerError as error:
+                raise AnswerError(f"{name}: {error}") from None
             if refusal(configs[name]):
                 raise AnswerError(f"{name}: {refusal(configs[name])}")
     return configs
+
+
+def _one_change(configs: dict[str, TrainConfig]) -> None:
+    """A part's configuration changes of batch_config only what that part measures."""
+    for name, allowed in MAY_CHANGE.items():
+        if name in configs and (changed := _changed(configs[name], configs["batch_config"], allowed)):
+            raise AnswerError(
+                f"{name} may differ from batch_config only in {' and '.join(allowed)}, "
+                f"but it also changes {', '.join(changed)}"
+            )
+
+
+def _disagreements(configs: dict[str, dict[str, TrainConfig]]) -> dict[str, str]:
+    """Why each cell is refused that hands in a configuration another cell hands in differently."""
+    refusals: dict[str, str] = {}
+    for name in dict.fromkeys(name for names in HANDED_IN.values() for name in names):
+        holders = [cell for cell in HANDED_IN if name in configs.get(cell, {})]
+        differences = [
+            f"{holders[0]} and {cell} differ in {', '.join(changed)}"
+            for cell in holders[1:]
+            if (changed := _changed(configs[cell][name], configs[holders[0]][name]))
+        ]
+        if differences:
+            reason = f"{name} must be one configuration in every cell that hands it in: {'; '.join(differences)}"
+            refusals.update({cell: reason for cell in holders if cell not in refusals})
+    return refusals
 
 
 def _static_failures(cell: str, configs: dict[str, TrainConfig], answers: dict) -> list[str]:
@@ -99,6 +141,43 @@ def _static_failures(cell: str, configs: dict[str, TrainConfig], answers: dict) 
     return []
 
 
+def _verdict_for(error: Exception) -> Verdict:
+    """The refusal of an answer found wrong, or "not scored" when grading the cell failed some other way."""
+    if isinstance(error, AnswerError):
+        return Verdict.refused(str(error))
+    return Verdict.grading_failed(f"{type(error).__name__}: {error}")
+
+
+def _safely(grade: Callable[..., Verdict], *args) -> Verdict:
+    try:
+        return grade(*args)
+    except Exception as error:  # this cell's grading alone failed: the other cells keep their verdicts
+        return _verdict_for(error)
+
+
+def _checked(handed: dict[str, dict]) -> tuple[dict[str, Verdict], dict[str, dict[str, TrainConfig]]]:
+    """Each cell's configurations, and a verdict for each cell refused before anything is measured."""
+    verdicts: dict[str, Verdict] = {}
+    configs: dict[str, dict[str, TrainConfig]] = {}
+    for cell, answers in handed.items():
+        try:
+            if isinstance(answers, AnswerError):
+                raise answers
+            configs[cell] = _configs(answers, HANDED_IN[cell])
+        except Exception as error:  # one cell's answers, right or wrong, never decide another cell's verdict
+            verdicts[cell] = _verdict_for(error)
+    # Against one another first: a cell refused for its own change still tells what it was handed.
+    verdicts.update({cell: Verdict.refused(reason) for cell, reason in _disagreements(configs).items()})
+    for cell in [cell for cell in configs if cell not in verdicts]:
+        try:
+            _one_change(configs[cell])
+            if failures := _static_failures(cell, configs[cell], handed[cell]):
+                verdicts[cell] = Verdict("fail", "not measured", tuple(failures))
+        except Exception as error:
+            verdicts[cell] = _verdict_for(error)
+    return verdicts, configs
+
+
 def _activation_megabytes(config: TrainConfig, device: torch.device) -> float:
     model = build_model(config, COURSE_WORKLOAD, device)
     images = torch.randn(config.batch_size, 3, 32, 32, device=device)
@@ -120,25 +199,32 @@ def grade_capstone_lab(
     cache_dir: str | None = None,
     rounds: int = TRIAL_ROUNDS,
 ) -> dict[str, Verdict]:
-    """One verdict per graded cell of lab 10, from ``handed[cell]``: the answers that cell handed in."""
-    verdicts: dict[str, Verdict] = {}
-    configs: dict[str, dict[str, TrainConfig]] = {}
-    for cell, answers in handed.items():
-        try:
-            if isinstance(answers, AnswerError):
-                raise answers
-            configs[cell] = _configs(answers, HANDED_IN[cell])
-            failures = _static_failures(cell, configs[cell], answers)
-        except AnswerError as error:
-            verdicts[cell] = Verdict.refused(str(error))
-            continue
-        if failures:
-            verdicts[cell] = Verdict("fail", "not measured", tuple(failures))
+    """One verdict per graded cell of lab 10, from ``handed[cell]``: the answers that cell handed in.
 
-    # Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time.
-    timed_cells = [
-        cell for cell in ("test_data", "test_batch", "test_regrade") if cell in configs and cell not in verdicts
-    ]
+    Every answer is checked, alone and against the other cells' answers, before anything is
+    measured. A cell whose grading fails for any other reason is "not scored"; the other cells
+    keep their verdicts.
+    """
+    verdicts, configs = _checked(handed)
+    measured_cells = [cell for cell in configs if cell not in verdicts]
+    timed_cells = [cell for cell in ("test_data", "test_batch", "test_regrade") if cell in measured_cells]
+    if timed_cells:
+        try:
+            verdicts.update(
+                _grade_timed(timed_cells, configs, device=device, log=log, cache_dir=cache_dir, rounds=rounds)
+            )
+        except Exception as error:  # their configurations share the rounds that failed: so does the failure
+            verdicts.update(dict.fromkeys(timed_cells, _verdict_for(error)))
+    if "test_amp" in measured_cells:
+        keep_amp = handed["test_amp"]["KEEP_AMP"]
+        verdicts["test_amp"] = _safely(_grade_amp, configs["test_amp"], keep_amp, device, log, rounds)
+    if "test_ckpt" in measured_cells:
+        verdicts["test_ckpt"] = _safely(_grade_ckpt, configs["test_ckpt"], device)
+    return verdicts
+
+
+def _grade_timed(timed_cells: list[str], configs: dict, *, device, log, cache_dir, rounds: int) -> dict[str, Verdict]:
+    """Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time."""
     timed = [NAIVE]
     for cell in timed_cells:
         timed += [config for config in configs[cell].values() if _key(config) not in map(_key, timed)]
@@ -151,7 +237,7 @@ def grade_capstone_lab(
         name = "data_config" if cell == "test_data" else "final_config"
         return speedup_of(side[_key(NAIVE)], side[_key(configs[cell][name])], name)
 
-    for attempt_rounds in (rounds, 2 * rounds) if timed_cells else ():
+    for attempt_rounds in (rounds, 2 * rounds):
         log(f"timing {len(timed)} configurations in {attempt_rounds} interleaved one-epoch rounds")
         trials, load = measure_speeds(timed, rounds=attempt_rounds, device=device, log=log)
         side = {_key(config): results for config, results in zip(timed, trials)}
@@ -160,7 +246,8 @@ def grade_capstone_lab(
         if not any(noisy.values()):
             break
     accuracies: dict[tuple, float] = {}
-    for cell in timed_cells:
+
+    def decide(cell: str) -> Verdict:
         comparison, problems = comparisons[cell], noisy[cell]
         if cell == "test_data":
             candidate = side[_key(configs[cell]["data_config"])]
@@ -211,19 +298,15 @@ def grade_capstone_lab(
             measured += f"; validation accuracy {accuracy:.1%}, the baseline's {base:.1%}"
             if accuracy < base - ACCURACY_TOLERANCE:
                 failures.append(f"its accuracy is more than {ACCURACY_TOLERANCE:.0%} points under the baseline's")
-        verdicts[cell] = Verdict.decide(measured, failures, problems)
+        return Verdict.decide(measured, failures, problems)
 
-    if "test_amp" in configs and "test_amp" not in verdicts:
-        verdicts["test_amp"] = _grade_amp(configs["test_amp"], handed["test_amp"]["KEEP_AMP"], device, log, rounds)
-    if "test_ckpt" in configs and "test_ckpt" not in verdicts:
-        ckpt, batch = (
-            _activation_megabytes(configs["test_ckpt"][name], device) for name in ("ckpt_config", "batch_config")
-        )
-        measured = f"kept for backward: {ckpt:.1f} MB checkpointed, {batch:.1f} MB for batch_config"
-        verdicts["test_ckpt"] = Verdict.decide(
-            measured, [] if ckpt < batch else ["the checkpointed, doubled batch keeps more"]
-        )
-    return verdicts
+    return {cell: _safely(decide, cell) for cell in timed_cells}
+
+
+def _grade_ckpt(configs: dict[str, TrainConfig], device: torch.device) -> Verdict:
+    ckpt, batch = (_activation_megabytes(configs[name], device) for name in ("ckpt_config", "batch_config"))
+    measured = f"kept for backward: {ckpt:.1f} MB checkpointed, {batch:.1f} MB for batch_config"
+    return Verdict.decide(measured, [] if ckpt < batch else ["the checkpointed, doubled batch keeps more"])
 
 
 def _grade_amp(configs: dict[str, TrainConfig], keep_amp: bool, device, log, rounds: int) -> Verdict:

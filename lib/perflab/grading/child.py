@@ -9,9 +9,11 @@ lab's cells takes seconds to start, so this is shown, not run)::
 
 The child runs the cells (the lab's own and the learner's), then answers requests: one
 ``handlers`` function each, called with the cells' namespace. The parent thaws the child before a
-request and stops it (SIGSTOP, its whole process tree) as soon as the reply is in, so nothing
-the learner's code starts in the background can run while the other side is measured. Messages
-are length-prefixed frames of JSON plus raw bytes: nothing from the child is ever unpickled.
+request and stops it (SIGSTOP, its whole process tree) as soon as the reply is in, until every
+thread of the tree is seen stopped at one moment, so nothing the learner's code starts in the
+background can run while the other side is measured; an ``IdleWatch`` tells the rounds in which a
+frozen child gained CPU time all the same. Messages are length-prefixed frames of JSON plus raw
+bytes: nothing from the child is ever unpickled.
 
     >>> import io
     >>> from perflab.grading.child import read_frame, send_frame
@@ -26,6 +28,7 @@ Used by perflab.grading.code_labs and perflab.grading.data_lab.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -43,15 +46,32 @@ import psutil
 from perflab.grading.sandbox import pristine_perflab, require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import tree_cpu_seconds
 
-__all__ = ["AnswerProcess", "ChildError", "main", "read_frame", "send_frame"]
+__all__ = [
+    "FREEZE_LIMIT_S",
+    "IDLE_CPU_EPSILON_S",
+    "AnswerProcess",
+    "ChildError",
+    "ChildLost",
+    "IdleWatch",
+    "main",
+    "read_frame",
+    "send_frame",
+]
 
 _LENGTHS = struct.Struct("<II")
 _MAX_HEADER = 1 << 20
 _MAX_PAYLOAD = 256 << 20
+FREEZE_LIMIT_S = 3.0
+IDLE_CPU_EPSILON_S = 0.005  # a frozen tree gains no CPU time at all; /proc counts it in 10 ms ticks
 
 
 class ChildError(RuntimeError):
     """The child failed to run a cell or to answer a request; the message says what the learner's code raised."""
+
+
+class ChildLost(ChildError):
+    """The grading lost the child: it did not answer in time, was killed by a signal (out of memory, say), or could
+    not be frozen. No verdict on the answer: that grading failed, and is not scored."""
 
 
 def send_frame(stream, header: dict, payload: bytes = b"") -> None:
@@ -90,12 +110,14 @@ class AnswerProcess:
             stderr=self.log,
             start_new_session=True,
         )
-        self._frozen = False
-        header, _ = self._exchange({"cells": cells, "handlers": handlers}, timeout_s=setup_timeout_s)
-        if "error" in header:
+        try:
+            header, _ = self._exchange({"cells": cells, "handlers": handlers}, timeout_s=setup_timeout_s)
+            if "error" in header:
+                raise ChildError(header["error"])
+            self.freeze()
+        except BaseException:
             self.close()
-            raise ChildError(header["error"])
-        self.freeze()
+            raise
 
     def _tree(self) -> list[psutil.Process]:
         try:
@@ -105,27 +127,31 @@ class AnswerProcess:
             return []
 
     def freeze(self) -> None:
-        """Stop every process of the child's tree, again until no new one appears."""
-        stopped: set[int] = set()
+        """Stop every process of the child's tree, until all of them are seen stopped at one moment.
+
+        Stopped one at a time, processes of the tree can resume one another (SIGCONT) before the last
+        of them is stopped; so the tree is stopped again until two looks in a row find every thread of
+        every process stopped, the same threads, none of which ran in between. Raises ``ChildError``
+        when that does not happen within ``FREEZE_LIMIT_S``.
+        """
+        deadline = time.monotonic() + FREEZE_LIMIT_S
+        previous_look = None
         while True:
-            tree = [p for p in self._tree() if p.pid not in stopped]
-            if not tree:
-                break
-            for process in tree:
-                try:
-                    process.send_signal(signal.SIGSTOP)
-                except psutil.NoSuchProcess:
-                    pass
-                stopped.add(process.pid)
-        self._frozen = True
+            tree = self._tree()
+            _signal_all(tree, signal.SIGSTOP)
+            look = _stopped_threads(tree)
+            if look is not None and look == previous_look:
+                return
+            if time.monotonic() > deadline:
+                raise ChildLost(
+                    f"the answer's processes could not be frozen: in {FREEZE_LIMIT_S:.0f} s of stopping them, "
+                    "they never were all stopped at once (do they resume one another?)"
+                )
+            previous_look = look
+            time.sleep(0.001)  # a process signalled while it waits for a CPU stops only once it gets one
 
     def thaw(self) -> None:
-        for process in reversed(self._tree()):
-            try:
-                process.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
-                pass
-        self._frozen = False
+        _signal_all(reversed(self._tree()), signal.SIGCONT)
 
     def cpu_seconds(self) -> float:
         """CPU time of the child's whole tree so far, exited children that were waited for included."""
@@ -143,8 +169,10 @@ class AnswerProcess:
         try:
             return read_frame(self.process.stdout)
         except EOFError:
-            reason = "did not answer in time" if timer.fired else f"ended (exit {self.process.wait()})"
-            raise ChildError(f"the answer's process {reason}: {self.output_tail()}") from None
+            exit_code = self.process.wait()
+            reason = "did not answer in time" if timer.fired else f"ended (exit {exit_code})"
+            lost = ChildLost if timer.fired or exit_code < 0 else ChildError
+            raise lost(f"the answer's process {reason}: {self.output_tail()}") from None
         finally:
             timer.cancel()
 
@@ -174,6 +202,57 @@ class AnswerProcess:
         self.process.wait()
         self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _signal_all(processes, signal_number: int) -> None:
+    # os.kill, not psutil's send_signal and its checks: the faster the pass, the less time the processes not yet
+    # stopped have to resume those that are. The pids were listed a moment ago, far too soon to be reused.
+    for process in processes:
+        try:
+            os.kill(process.pid, signal_number)
+        except ProcessLookupError:
+            pass
+
+
+def _stopped_threads(tree: list[psutil.Process]) -> dict[tuple[int, int], tuple[str, str]] | None:
+    """Each thread of ``tree`` with its context switch counts, or None when one of them is not stopped.
+
+    A stopped thread that was resumed and stopped again in between has switched at least once more, and
+    one resumed that has not run yet reads as running: two equal looks mean none ran between them.
+    """
+    look = {}
+    for process in tree:
+        try:
+            for thread in os.listdir(f"/proc/{process.pid}/task"):
+                with open(f"/proc/{process.pid}/task/{thread}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+                if fields["State"].strip()[0] not in "tTZX":  # stopped, stopped by a tracer, exited
+                    return None
+                look[process.pid, int(thread)] = (
+                    fields["voluntary_ctxt_switches"],
+                    fields["nonvoluntary_ctxt_switches"],
+                )
+        except (FileNotFoundError, ProcessLookupError):  # it ended while being looked at: look again
+            return None
+    return look
+
+
+class IdleWatch:
+    """The rounds in which a child that was frozen gained CPU time while the other side was timed.
+
+    Only processes of the answer that resume one another escape a freeze, and their CPU counts as
+    the grader's own, so the load rule would not see it slow down the side being timed.
+    """
+
+    def __init__(self):
+        self.rounds: set[int] = set()
+
+    @contextlib.contextmanager
+    def while_frozen(self, child: AnswerProcess, round_index: int):
+        before = child.cpu_seconds()
+        yield
+        if child.cpu_seconds() - before > IDLE_CPU_EPSILON_S:
+            self.rounds.add(round_index)
 
 
 class _Watchdog:

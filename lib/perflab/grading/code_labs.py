@@ -15,8 +15,9 @@ The trusted side runs the course's own cells (the lab's machinery and the refere
 in this process; the child runs the same machinery and the learner's answer cells, as nbgrader
 stored them. Every round draws fresh seeds here, which the child learns only with the request;
 the child's results are checked against the reference's for those seeds, and the time is read
-on this side's clock, around the request, while the other side is stopped. ``child_*`` functions
-are the child's side of each request.
+on this side's clock, around the request, while the other side is stopped (a round in which the
+stopped side gained CPU time does not count). ``child_*`` functions are the child's side of each
+request.
 
 Used by perflab.grading.session and perflab.grading.data_lab.
 """
@@ -29,8 +30,7 @@ import random
 import torch
 
 from perflab.bench import Comparison, Timing, interleaved_rounds
-from perflab.device import synchronize
-from perflab.grading.child import AnswerProcess, ChildError
+from perflab.grading.child import AnswerProcess, ChildError, ChildLost, IdleWatch
 from perflab.grading.verdict import LoadMeter, Verdict, noise_problems, own_cpu_seconds
 
 __all__ = [
@@ -42,10 +42,7 @@ __all__ = [
     "answer_child",
     "child_lab02_outputs",
     "child_lab02_run",
-    "child_lab06_minimum",
-    "child_lab06_prepare",
     "child_lab06_setup",
-    "child_lab06_state",
     "child_lab06_steps",
     "grade_lab02",
     "grade_lab06",
@@ -95,10 +92,16 @@ def _interleaved(children: tuple[AnswerProcess, AnswerProcess], run, check, *, r
 
     ``run(child, side, seed)`` (side 0: the reference, 1: the learner's) returns (result, seconds by this side's
     clock); ``check(reference result, candidate result)`` returns why the candidate's result is wrong, or None.
-    The first wrong result ends the rounds: the answer fails whatever its time.
+    The first wrong result ends the rounds: the answer fails whatever its time. Returns what
+    :func:`measure_until_decided` takes: (comparison, failures, load, rounds in which the idle side ran).
     """
     seeds = [grader_seeds.randrange(2**31) for _ in range(rounds)]
     failures: list[str] = []
+    watch = IdleWatch()
+
+    def run_side(side: int, round_index: int):
+        with watch.while_frozen(children[1 - side], round_index):
+            return run(children[side], side, seeds[round_index])
 
     def check_round(_round_index: int, measured: list[list[tuple[object, float]]]) -> bool:
         failure = check(*(side[-1][0] for side in measured))
@@ -108,14 +111,14 @@ def _interleaved(children: tuple[AnswerProcess, AnswerProcess], run, check, *, r
 
     with LoadMeter(ours=lambda: own_cpu_seconds() + sum(child.cpu_seconds() for child in children)) as load:
         measured = interleaved_rounds(
-            [lambda round_index, side=side: run(children[side], side, seeds[round_index]) for side in (0, 1)],
+            [lambda round_index, side=side: run_side(side, round_index) for side in (0, 1)],
             rounds,
             warmup=False,  # the children warmed up in setup
             after_round=check_round,
         )
     times = [tuple(seconds for _, seconds in side) for side in measured]
     comparison = Comparison(Timing(labels[0], times[0]), Timing(labels[1], times[1]), confidence=0.9)
-    return comparison, failures, load
+    return comparison, failures, load, len(watch.rounds)
 
 
 def _ratio_text(comparison: Comparison, what: str) -> str:
@@ -130,28 +133,43 @@ def _ratio_text(comparison: Comparison, what: str) -> str:
 
 
 def measure_until_decided(measure_once, rounds: int) -> tuple[Comparison, list[str], list[str]]:
-    """Measure; if noisy, once more with twice the rounds. Returns (comparison, failures, noise problems)."""
+    """Measure; if noisy, once more with twice the rounds. Returns (comparison, failures, noise problems).
+
+    ``measure_once(rounds)`` returns (comparison, failures, load, rounds in which the idle side ran). An idle
+    side that ran makes a measurement inconclusive; when it runs again in the second measurement, the answer
+    fails: a frozen child runs only when its own processes resume it.
+    """
+    idle_before = None
     for attempt_rounds in (rounds, 2 * rounds):
-        comparison, failures, load = measure_once(attempt_rounds)
+        comparison, failures, load, idle_rounds = measure_once(attempt_rounds)
         if failures:  # a wrong result fails however noisy its time
             return comparison, failures, []
         problems = noise_problems(comparison, load)
+        if idle_rounds and idle_before:
+            again = f"and during {idle_rounds} of {attempt_rounds} measured again: the answer ran while it was frozen"
+            return comparison, [f"{idle_before}, {again}"], []
+        if idle_rounds:
+            idle_before = f"the idle side ran during {idle_rounds} of {attempt_rounds} rounds"
+            problems.append(idle_before)
         if not problems:
             return comparison, failures, []
     return comparison, failures, problems
 
 
 def _same_floats(a, b, rel_tol: float) -> bool:
-    return len(a) == len(b) and all(isinstance(x, float) and math.isclose(x, y, rel_tol=rel_tol) for x, y in zip(a, b))
-
-
-def _close(a, b) -> bool:
-    """As the lab's own test compares weights: within 1e-4 relative and 1e-5 absolute."""
     return (
         isinstance(a, list)
         and len(a) == len(b)
-        and all(isinstance(x, float) for x in a)
-        and torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+        and all(isinstance(x, float) and math.isclose(x, y, rel_tol=rel_tol) for x, y in zip(a, b))
+    )
+
+
+def _close_weights(a: bytes, b: bytes) -> bool:
+    """float32 weights, compared as the lab's own test does: within 1e-4 relative and 1e-5 absolute."""
+    return (
+        len(a) == len(b)
+        and len(a) % 4 == 0
+        and torch.allclose(*(torch.frombuffer(bytearray(w), dtype=torch.float32) for w in (a, b)), rtol=1e-4, atol=1e-5)
     )
 
 
@@ -218,6 +236,8 @@ def grade_lab02(cells: dict, rounds: int = 9) -> dict[str, Verdict]:
             labels=LAB02_TRANSFORMS,
             rounds=rounds,
         )
+    except ChildLost as error:
+        return {"test_preprocess_speed": Verdict.grading_failed(str(error))}
     except ChildError as error:
         return {"test_preprocess_speed": Verdict.refused(str(error))}
     if comparison.speedup < 1.5:
@@ -247,29 +267,21 @@ LAB06_STEPS = 8
 
 
 def _lab06_setup(children) -> float:
-    children[0].call("lab06_setup", compiled=False)
+    minimum = children[0].call("lab06_setup", compiled=False)[0]  # the lab's MIN_SPEEDUP, from the course's cells
     children[1].call("lab06_setup", compiled=True, timeout_s=600)
-    return children[0].call("lab06_minimum")[0]
+    return minimum
 
 
 def _lab06_run(child, side, seed):
-    child.call("lab06_prepare", seed=seed)
-    _, _, seconds = child.call("lab06_steps", steps=LAB06_STEPS)
-    return child.call("lab06_state")[0], seconds  # read after the clock: losses and the weights they led to
+    losses, weights, seconds = child.call("lab06_steps", seed=seed, steps=LAB06_STEPS)
+    return (losses, weights), seconds
 
 
 def _lab06_check(reference, candidate):
-    same = (
-        isinstance(candidate, dict)
-        and set(candidate) == {"losses", "weights"}
-        and _same_floats(candidate["losses"], reference["losses"], 1e-4)
-        and _close(candidate["weights"], reference["weights"])
-    )
-    return (
-        None
-        if same
-        else "the compiled step's losses or updated weights differ from the eager step's on the same weights and data"
-    )
+    (want_losses, want_weights), (losses, weights) = reference, candidate
+    if _same_floats(losses, want_losses, 1e-4) and _close_weights(weights, want_weights):
+        return None
+    return "the compiled step's losses or updated weights differ from the eager step's on the same weights and data"
 
 
 def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
@@ -284,6 +296,8 @@ def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
             labels=("eager step", "compiled step"),
             rounds=rounds,
         )
+    except ChildLost as error:
+        return {"test_compiled_speed": Verdict.grading_failed(str(error))}
     except ChildError as error:
         return {"test_compiled_speed": Verdict.refused(str(error))}
     if comparison.speedup < minimum:
@@ -295,41 +309,54 @@ def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     }
 
 
+def _parameters_of(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The module's parameters, in ``parameters()``'s order, read from where nn.Module keeps them: not through
+    ``parameters()`` or ``named_parameters()``, which the learner's class may override to finish a step's work."""
+    state = vars(module)
+    found = [parameter for parameter in dict.values(state["_parameters"]) if parameter is not None]
+    for parameter in found:
+        if type(parameter) is not torch.nn.Parameter:
+            raise TypeError(f"a parameter of the block is a {type(parameter).__name__}, not a torch.nn.Parameter")
+    for submodule in dict.values(state["_modules"]):
+        found += _parameters_of(submodule) if submodule is not None else []
+    return list({id(parameter): parameter for parameter in found}.values())  # a shared parameter once
+
+
+def _loss_values(losses: list) -> list[float]:
+    for loss in losses:
+        if type(loss) is not torch.Tensor or loss.numel() != 1:
+            raise TypeError(
+                f"the training step returned a {type(loss).__name__}: it must return its loss as a torch.Tensor "
+                "of one element (not a subclass), as eager_training_step does"
+            )
+    return torch.stack([loss.detach().reshape(()) for loss in losses]).to("cpu", torch.float64).tolist()
+
+
 def child_lab06_setup(namespace, payload, compiled):
     block = namespace["make_block"](namespace["FixedBlock"], 0)
     make_step = namespace["compiled_training_step" if compiled else "eager_training_step"]
     namespace["_block"] = block
-    namespace["_step"] = make_step(block, torch.optim.SGD(block.parameters(), lr=namespace["LEARNING_RATE"]))
-    child_lab06_prepare(namespace, payload, 0)
-    child_lab06_steps(namespace, payload, 2)  # warm-up: the compiled side compiles here
-    return None, b""
-
-
-def child_lab06_minimum(namespace, payload):
+    namespace["_step"] = make_step(block, torch.optim.SGD(_parameters_of(block), lr=namespace["LEARNING_RATE"]))
+    child_lab06_steps(namespace, payload, seed=0, steps=2)  # warm-up: the compiled side compiles here
     return float(namespace["MIN_SPEEDUP"]), b""
 
 
-def child_lab06_prepare(namespace, payload, seed):
-    """Reset the block's weights in place (no recompilation) and draw a batch, from ``seed``."""
+def child_lab06_steps(namespace, payload, seed, steps):
+    """One timed round: weights and a batch drawn from ``seed``, ``steps`` steps, then their losses and weights.
+
+    All of it inside the request the grader times: nothing of the learner's runs between a round's data
+    and what is read back, so no work can wait for after the clock (a lazy loss, a ``parameters()``
+    that finishes the step).
+    """
+    block = namespace["_block"]
     fresh = namespace["make_block"](namespace["FixedBlock"], seed % 1000)
-    with torch.no_grad():
-        for parameter, value in zip(namespace["_block"].parameters(), fresh.parameters()):
+    with torch.no_grad():  # in place: no recompilation
+        for parameter, value in zip(_parameters_of(block), _parameters_of(fresh), strict=True):
             parameter.copy_(value)
     generator = torch.Generator().manual_seed(seed)
     shape, device = namespace["batch_shape"], namespace["device"]
-    namespace["_batch"] = (
-        (3 * torch.randn(*shape, generator=generator)).to(device),
-        torch.randn(*shape, generator=generator).to(device),
-    )
-    return None, b""
-
-
-def child_lab06_steps(namespace, payload, steps):
-    namespace["_losses"] = [namespace["_step"](*namespace["_batch"]) for _ in range(steps)]
-    synchronize(namespace["device"])
-    return None, b""
-
-
-def child_lab06_state(namespace, payload):
-    weights = torch.cat([parameter.detach().flatten() for parameter in namespace["_block"].parameters()])
-    return {"losses": [float(loss) for loss in namespace["_losses"]], "weights": weights.cpu().tolist()}, b""
+    inputs = (3 * torch.randn(*shape, generator=generator)).to(device)
+    targets = torch.randn(*shape, generator=generator).to(device)
+    losses = _loss_values([namespace["_step"](inputs, targets) for _ in range(steps)])
+    weights = torch.cat([parameter.detach().reshape(-1) for parameter in _parameters_of(block)])
+    return losses, weights.to("cpu", torch.float32).numpy().tobytes()

@@ -45,10 +45,12 @@ class NbgraderCourse:
         )
         return cls(root)
 
-    def run(self, *args: str, timeout: float = 900) -> str:
-        """Run ``nbgrader ARGS`` here; raise with nbgrader's own output when it fails."""
+    def run(self, *args: str, timeout: float = 900, as_module: bool = False) -> str:
+        """Run ``nbgrader ARGS`` here (``python -m nbgrader ARGS`` if ``as_module``); raise with nbgrader's own output
+        when it fails."""
+        nbgrader = [sys.executable, "-m", "nbgrader"] if as_module else [str(Path(sys.executable).parent / "nbgrader")]
         completed = subprocess.run(
-            [str(Path(sys.executable).parent / "nbgrader"), *args],
+            [*nbgrader, *args],
             cwd=self.root,
             env=self.environment(),
             capture_output=True,

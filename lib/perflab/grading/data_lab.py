@@ -6,9 +6,11 @@
 The learner's ``fast_epoch`` runs in a sandboxed child on a random subset of the course's decoded
 images that it learns only when grading starts, and only makes batches: each batch travels here
 as raw bytes, the training step runs here on it, and then on one of the ceiling's batches, each on
-this side's clock while the child is stopped. The ceiling's batches, made before the clock starts,
-come from a child of their own by the same road, so that both sides pay the same for the trip. Every batch is checked (outside the clock) to be a
-crop or flipped crop of a subset image with that image's label, each image once per epoch.
+this side's clock while the child is stopped (an epoch in which it gained CPU time meanwhile does
+not count). The ceiling's batches, made before the clock starts, come from a child of their own
+by the same road, so that both sides pay the same for the trip. Every batch is checked (outside
+the clock) to be a crop or flipped crop of a subset image with that image's label, each image
+once per epoch.
 
     >>> from perflab.grading.data_lab import MIN_SHARE, STEPS_PER_EPOCH
     >>> MIN_SHARE, STEPS_PER_EPOCH  # a pass: 90% of the ceiling's samples/s, over epochs of 8 steps
@@ -28,7 +30,7 @@ import torch
 
 from perflab.bench import Comparison, Timing
 from perflab.device import synchronize
-from perflab.grading.child import AnswerProcess, ChildError
+from perflab.grading.child import AnswerProcess, ChildError, ChildLost, IdleWatch
 from perflab.grading.code_labs import answer_child, grader_seeds, measure_until_decided, run_cells
 from perflab.grading.verdict import LoadMeter, Verdict, own_cpu_seconds
 
@@ -93,6 +95,8 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     index = _crop_index(images)
     try:
         child = answer_child(cells, LAB03_MACHINERY, ["batch_crop_flip", "fast_epoch"], handlers=__name__)
+    except ChildLost as error:
+        return {"test_ceiling": Verdict.grading_failed(str(error))}
     except ChildError as error:
         return {"test_ceiling": Verdict.refused(str(error))}
     ceiling = AnswerProcess([], handlers=__name__)
@@ -103,7 +107,7 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         counts=[len(labels) for _, labels in ceiling_batches],
     )
 
-    def epoch(seed: int) -> tuple[float, float, int, int]:
+    def epoch(seed: int, watch: IdleWatch, round_index: int) -> tuple[float, float, int, int]:
         """One paired epoch: (pipeline seconds, ceiling seconds, pipeline samples, ceiling samples); raises if wrong."""
         _, _, pipeline_s = child.call("lab03_start", seed=seed)
         ceiling_s, samples, ceiling_samples, seen = 0.0, 0, 0, []
@@ -113,22 +117,25 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
             if result == "done":
                 break
             batch = _batch_from(result, payload)
-            start = time.perf_counter()
-            step(*batch)
-            synchronize(device)
-            pipeline_s += time.perf_counter() - start
-            result, payload, seconds = ceiling.call("lab03_ceiling_next")
-            ceiling_batch = _batch_from(result, payload)
-            start = time.perf_counter()
-            step(*ceiling_batch)
-            synchronize(device)
-            ceiling_s += seconds + time.perf_counter() - start
-            samples, ceiling_samples = samples + len(batch[1]), ceiling_samples + len(ceiling_batch[1])
-            for image, label in zip(*batch):  # outside the clock
-                owners = [i for i in index.get(_digest(image), ()) if labels[i] == label]
-                if not owners:
-                    raise ChildError("a batch image is not a crop of a subset image with its own label")
-                seen.append(owners[0])
+            # Frozen until its next request, the learner's child must not make its next batch meanwhile (the
+            # ceiling's child runs no learner code).
+            with watch.while_frozen(child, round_index):
+                start = time.perf_counter()
+                step(*batch)
+                synchronize(device)
+                pipeline_s += time.perf_counter() - start
+                result, payload, seconds = ceiling.call("lab03_ceiling_next")
+                ceiling_batch = _batch_from(result, payload)
+                start = time.perf_counter()
+                step(*ceiling_batch)
+                synchronize(device)
+                ceiling_s += seconds + time.perf_counter() - start
+                samples, ceiling_samples = samples + len(batch[1]), ceiling_samples + len(ceiling_batch[1])
+                for image, label in zip(*batch):  # outside the clock
+                    owners = [i for i in index.get(_digest(image), ()) if labels[i] == label]
+                    if not owners:
+                        raise ChildError("a batch image is not a crop of a subset image with its own label")
+                    seen.append(owners[0])
         if sorted(seen) != list(range(len(labels))):
             raise ChildError(
                 f"an epoch gave {len(seen)} samples ({len(set(seen))} different) of {len(labels)}: "
@@ -143,23 +150,29 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
 
     def measure_once(n: int):
         times: tuple[list[float], list[float]] = ([], [])
+        watch = IdleWatch()
         with LoadMeter(ours=lambda: own_cpu_seconds() + child.cpu_seconds() + ceiling.cpu_seconds()) as load:
-            for _ in range(n):
-                pipeline_s, ceiling_s, samples, ceiling_samples = epoch(grader_seeds.randrange(2**31))
+            for round_index in range(n):
+                pipeline_s, ceiling_s, samples, ceiling_samples = epoch(
+                    grader_seeds.randrange(2**31), watch, round_index
+                )
                 times[0].append(ceiling_s / ceiling_samples)
                 times[1].append(pipeline_s / samples)
         return (
             Comparison(Timing("ceiling", tuple(times[0])), Timing("yours", tuple(times[1])), confidence=0.9),
             [],
             load,
+            len(watch.rounds),
         )
 
     try:
         child.call(
             "lab03_load", images.numpy().tobytes() + labels.numpy().tobytes(), count=len(labels), batch_size=batch_size
         )
-        epoch(grader_seeds.randrange(2**31))  # warm-up
+        epoch(grader_seeds.randrange(2**31), IdleWatch(), 0)  # warm-up
         comparison, failures, problems = measure_until_decided(measure_once, rounds)
+    except ChildLost as error:
+        return {"test_ceiling": Verdict.grading_failed(str(error))}
     except ChildError as error:
         return {"test_ceiling": Verdict.refused(str(error))}
     finally:

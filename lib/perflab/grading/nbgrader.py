@@ -21,8 +21,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
+import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -54,8 +57,6 @@ _MARKERS = {"### BEGIN SOLUTION", "### END SOLUTION", "### BEGIN HIDDEN TESTS", 
 class SandboxedKernelManager(AsyncKernelManager):
     """A kernel in the sandbox: it has no network, so it talks over Unix sockets in a folder both sides see."""
 
-    hidden_paths: list[str] = []
-
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._socket_dir = tempfile.mkdtemp(prefix="perflab-kernel-")
@@ -68,7 +69,6 @@ class SandboxedKernelManager(AsyncKernelManager):
             kernel_cmd = sandbox_command(
                 kernel_cmd,
                 workdir=workdir,
-                hidden=self.hidden_paths,
                 readable=[os.path.abspath(self.connection_file)],
                 writable=[self._socket_dir],
             )
@@ -76,16 +76,75 @@ class SandboxedKernelManager(AsyncKernelManager):
 
 
 class SandboxedExecute(Execute):
-    """nbgrader's Execute, with each submission's kernel in the sandbox and the course folder hidden from it."""
+    """nbgrader's Execute, with each submission's kernel in the sandbox, and nothing left in its folder that
+    nbgrader's later steps (chmod, copying into feedback) would follow out of it."""
+
+    notebook_timeout = Integer(
+        3600, help="seconds one submission's kernel may run in all: the cells left then are not run, and score 0"
+    ).tag(config=True)
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("kernel_manager_class", SandboxedKernelManager)
         super().__init__(*args, **kwargs)
 
-    def create_kernel_manager(self):
-        manager = super().create_kernel_manager()
-        manager.hidden_paths = [CourseDirectory(config=self.config).root]
-        return manager
+    def preprocess(self, nb, resources=None, km=None):
+        folder = (resources or {}).get("metadata", {}).get("path") or os.getcwd()
+        self._remove_what_leads_out(folder)  # a hand-in may hold links too
+        # Each cell has its limit (timeout); a notebook of many cells, each just under it, has this one.
+        self._deadline = time.monotonic() + self.notebook_timeout
+        self.timeout_func = lambda cell: max(1, min(self.timeout, int(self._deadline - time.monotonic())))
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            self._remove_what_leads_out(folder)
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type == "code" and time.monotonic() > self._deadline:
+            message = f"not run: the notebook ran past its limit of {self.notebook_timeout} s"
+            cell.outputs = [
+                nbformat.v4.new_output("error", ename="NotebookTimeout", evalue=message, traceback=[message])
+            ]
+            return cell, resources
+        return super().preprocess_cell(cell, resources, index)
+
+    def _remove_what_leads_out(self, folder: str) -> None:
+        removed = remove_what_leads_out(folder)
+        if removed:
+            self.log.warning("Removed from %s what nbgrader would follow out of it: %s", folder, "; ".join(removed))
+
+
+def remove_what_leads_out(folder: str) -> list[str]:
+    """Remove every symlink, hard-linked file, FIFO, socket and device file under ``folder``; say what each was.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> os.symlink("../../../gradebook.db", os.path.join(folder, "notes.txt"))
+    >>> os.mkfifo(os.path.join(folder, "pipe"))
+    >>> remove_what_leads_out(folder), os.listdir(folder)
+    (['notes.txt: a symlink to ../../../gradebook.db', 'pipe: a FIFO'], [])
+    """
+    removed = []
+    for root, folders, files in os.walk(folder):  # never follows a link to a folder: those are listed, then removed
+        for name in sorted(folders + files):
+            path = os.path.join(root, name)
+            info = os.lstat(path)
+            what = (
+                f"a symlink to {os.readlink(path)}"
+                if stat.S_ISLNK(info.st_mode)
+                else f"a file with {info.st_nlink} hard links"
+                if stat.S_ISREG(info.st_mode) and info.st_nlink > 1
+                else None
+                if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)
+                else _FILE_KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+            )
+            if what:
+                os.unlink(path)
+                removed.append(f"{os.path.relpath(path, folder)}: {what}")
+        folders[:] = [name for name in folders if os.path.isdir(os.path.join(root, name))]
+    return removed
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
 
 
 def _clean(source: str) -> str:
@@ -117,9 +176,19 @@ def _without_names(answer):
     return answer
 
 
+def _gpus() -> list[str]:
+    """The NVIDIA GPUs' models and the driver, as the driver reports them (no CUDA context is made for it)."""
+    driver = Path("/proc/driver/nvidia/version")
+    models = [
+        next((line for line in path.read_text().splitlines() if line.startswith("Model:")), "")
+        for path in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+    ]
+    return [*models, driver.read_text().splitlines()[0]] if driver.exists() else models
+
+
 @functools.cache
 def _machine() -> list:
-    """This machine, its software and the grading code (every source file of perflab), as a cache key."""
+    """This machine (CPU and GPUs), its software and the grading code (every source file of perflab), as a cache key."""
     cpu = platform.processor()
     if Path("/proc/cpuinfo").exists():
         cpu = next(
@@ -129,7 +198,9 @@ def _machine() -> list:
     return [
         cpu,
         os.cpu_count(),
+        _gpus(),
         os.environ.get("PERFLAB_DEVICE", ""),
+        os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         importlib.metadata.version("torch"),
         code.hexdigest(),
     ]
@@ -150,7 +221,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
     reuse_verdicts = Bool(
         True,
         help="give a cell the verdict measured earlier on this machine for the very same "
-        "answer (a pass or a fail, never an inconclusive one)",
+        "answer (a pass or a fail; never an inconclusive one, never a grading that failed)",
     ).tag(config=True)
 
     def preprocess(self, nb, resources):
@@ -194,7 +265,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
             job["handed_in"] = {grade_id: job["handed_in"][grade_id] for grade_id in to_measure}
             measured = self._run(job)
             for grade_id, verdict in measured.items():
-                if verdict.status != "inconclusive" and grade_id in keys:
+                if verdict.status in ("pass", "fail") and grade_id in keys:
                     path = Path(job["cache_dir"], "verdicts", f"{keys[grade_id]}.json")
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps(verdict.to_dict()))
@@ -202,7 +273,15 @@ class TrustedMeasurement(NbGraderPreprocessor):
         for grade_id, cell in cells.items():
             verdict = verdicts.get(grade_id) or Verdict.refused("the grader gave no verdict for this cell")
             cell.outputs = _verdict_outputs(verdict)
-            if verdict.status == "inconclusive":
+            if verdict.status == "error":
+                self.log.error(
+                    "GRADING FAILED: %s / %s / %s not scored: grade it again (%s)",
+                    student,
+                    lab,
+                    grade_id,
+                    "; ".join(verdict.reasons),
+                )
+            elif verdict.status == "inconclusive":
                 self.log.warning(
                     "INCONCLUSIVE: %s / %s / %s scored 0: re-grade it on a quiet machine (%s)",
                     student,
@@ -217,34 +296,67 @@ class TrustedMeasurement(NbGraderPreprocessor):
     def _cached(self, job: dict, key: str) -> Verdict | None:
         path = Path(job["cache_dir"], "verdicts", f"{key}.json")
         if self.reuse_verdicts and path.exists():
+            try:
+                verdict = Verdict.from_dict(json.loads(path.read_text()))
+            except ValueError:  # a file cut short (a full disk) or written by other code: measure again
+                return None
             self.log.info("the same answer was measured before on this machine: reusing its verdict (%s)", path.name)
-            return Verdict.from_dict(json.loads(path.read_text()))
+            return verdict
         return None
 
     def _run(self, job: dict) -> dict[str, Verdict]:
-        with tempfile.TemporaryFile("w+") as errors:
+        """The verdicts of the trusted grading process; "grading failed" for every cell if it fails or runs too long.
+
+        Its output goes to files, never to pipes that could fill while nobody reads them, and at the
+        deadline its whole process group is killed, whatever it is doing.
+        """
+        with (
+            tempfile.TemporaryFile("w+") as job_file,
+            tempfile.TemporaryFile("w+") as out,
+            tempfile.NamedTemporaryFile("w+", prefix="perflab-grader-") as errors,
+        ):
+            json.dump(job, job_file)
+            job_file.seek(0)
             process = subprocess.Popen(
                 trusted_python("perflab.grading.session"),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdin=job_file,
+                stdout=out,
+                stderr=errors,
                 text=True,
+                start_new_session=True,
             )
-            process.stdin.write(json.dumps(job))
-            process.stdin.close()
-            for line in process.stderr:
-                if line.startswith("grader: "):
-                    self.log.info(line.rstrip())
-                else:
-                    errors.write(line)
-            try:
-                process.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            output = process.stdout.read()
-            if process.returncode != 0:
-                errors.seek(0)
-                failure = f"the grader itself failed (exit {process.returncode}); tell your instructor"
-                self.log.error("%s:\n%s", failure, errors.read()[-4000:])
-                return {grade_id: Verdict.refused(failure) for grade_id in job["handed_in"]}
-        return {cell: Verdict.from_dict(fields) for cell, fields in json.loads(output.strip().splitlines()[-1]).items()}
+            returncode = self._wait_logging(process, errors.name)
+            out.seek(0)
+            output = out.read()
+            if returncode is None:
+                failure = f"the grader ran past its limit of {self.timeout} s and was stopped"
+            elif returncode != 0:
+                failure = f"the grader itself failed (exit {returncode})"
+            else:
+                try:
+                    verdicts = json.loads(output.splitlines()[-1])
+                    return {cell: Verdict.from_dict(fields) for cell, fields in verdicts.items()}
+                except (ValueError, IndexError, KeyError, TypeError, AttributeError) as error:
+                    failure = f"the grader's verdicts could not be read ({type(error).__name__})"
+            errors.seek(0)
+            self.log.error("%s:\n%s", failure, errors.read()[-4000:])
+        return {grade_id: Verdict.grading_failed(f"{failure}; tell your instructor") for grade_id in job["handed_in"]}
+
+    def _wait_logging(self, process: subprocess.Popen, errors: str) -> int | None:
+        """Wait for ``process``, logging the ``grader:`` progress lines of its ``errors`` file as they come; None if it
+        ran past the limit (then its whole process group is killed)."""
+        deadline, pending = time.monotonic() + self.timeout, ""
+        with open(errors, errors="replace") as reader:  # a reader of its own: the writer's file offset is not ours
+            while True:
+                returncode = process.poll()
+                *lines, pending = (pending[-10_000:] + reader.read()).split("\n")
+                for line in lines:
+                    if line.startswith("grader: "):
+                        self.log.info(line[:500])
+                if returncode is not None:
+                    return returncode
+                if time.monotonic() > deadline:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    return None
+                time.sleep(0.2)

@@ -14,6 +14,10 @@
     Verdict(inconclusive: 2.31x faster; inconclusive: re-grade on a quiet machine; the rounds disagree: ...)
     >>> Verdict.decide("2.31x faster", failures=[], problems=[])   # a measurement that may decide
     Verdict(pass: 2.31x faster)
+    >>> Verdict.grading_failed("the grading ran past its limit of 1800 s")   # the grader's failure, not the answer's
+    Verdict(error: grading failed: not scored; the grading ran past its limit of 1800 s)
+    >>> Verdict.refused("x" * 100_000).reasons[0][-29:]   # text the learner controls, cut to MAX_TEXT_CHARS
+    'x [... 98,040 characters cut]'
 
 A speedup measured beside a busy neighbour is not a smaller or larger copy of the quiet one:
 the per-sample Python pipeline of a baseline loses far more to contention than an optimized
@@ -21,7 +25,12 @@ one, so load inflates speedups. A pass or a fail is issued only when the interva
 per-round ratios is narrow (``MAX_SPREAD``) and processes other than the grader's own took
 little CPU while it measured (``MAX_OTHER_LOAD``); otherwise the grader re-measures with more
 rounds and, failing that, says "inconclusive": zero points and a request to re-grade on a quiet
-machine, never a verdict.
+machine, never a verdict. "error" is the grader's own failure (a crash, a timeout, a watchdog, an
+out-of-memory kill): the cell is not scored, nothing is cached, and it is graded again later.
+
+A verdict's texts carry what the learner controls (an exception's message, a string forced into
+a configuration) and cross a pipe and the gradebook, so each is cut to ``MAX_TEXT_CHARS``
+whichever way the verdict is made, ``from_dict`` included.
 
 Used by perflab.capstone and perflab.grading.
 """
@@ -31,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import psutil
 
@@ -42,6 +51,9 @@ __all__ = [
     "LoadMeter",
     "MAX_OTHER_LOAD",
     "MAX_SPREAD",
+    "MAX_TEXT_CHARS",
+    "NOT_SCORED",
+    "Status",
     "Verdict",
     "noise_problems",
     "own_cpu_seconds",
@@ -51,6 +63,8 @@ __all__ = [
 MAX_SPREAD = 1.3  # the interval's high end over its low end
 MAX_OTHER_LOAD = 0.3  # cores' worth of CPU taken by other processes (steal time included) while measuring
 INCONCLUSIVE = "inconclusive: re-grade on a quiet machine"
+NOT_SCORED = "grading failed: not scored"
+MAX_TEXT_CHARS = 2_000  # per reason and for the measured text: a verdict line stays far under a pipe's 64 KiB
 
 
 def tree_cpu_seconds(root: psutil.Process) -> float:
@@ -114,13 +128,35 @@ def noise_problems(comparison: Comparison, load: LoadMeter) -> list[str]:
     return problems
 
 
+Status = Literal["pass", "fail", "inconclusive", "error"]
+
+
+def _capped(text: str) -> str:
+    if len(text) <= MAX_TEXT_CHARS:
+        return text
+    kept = MAX_TEXT_CHARS - 40  # room for the marker, whatever the count it gives
+    return f"{text[:kept]} [... {len(text) - kept:,} characters cut]"
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """``pass``, ``fail`` or ``inconclusive``, what was measured, and every reason it did not pass."""
+    """``pass``, ``fail``, ``inconclusive`` or ``error``, what was measured, and every reason it did not pass."""
 
-    status: Literal["pass", "fail", "inconclusive"]
+    status: Status
     measured: str
     reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.status not in get_args(Status):
+            raise ValueError(f"a verdict's status is one of {', '.join(get_args(Status))}, not {self.status!r:.80}")
+        if type(self.measured) is not str:
+            raise ValueError(f"a verdict's measured text must be a str, not {type(self.measured).__name__}")
+        if type(self.reasons) is not tuple:
+            raise ValueError(f"a verdict's reasons must be a tuple, not {type(self.reasons).__name__}")
+        if any(type(reason) is not str for reason in self.reasons):
+            raise ValueError("a verdict's reasons must all be str")
+        object.__setattr__(self, "measured", _capped(self.measured))
+        object.__setattr__(self, "reasons", tuple(map(_capped, self.reasons)))
 
     @classmethod
     def decide(cls, measured: str, failures: list[str], problems: list[str] = ()) -> Verdict:
@@ -134,13 +170,21 @@ class Verdict:
         """A failure found before any measurement: no answer, an answer that is not data, a changed task."""
         return cls("fail", "not measured", (reason,))
 
+    @classmethod
+    def grading_failed(cls, reason: str) -> Verdict:
+        """The grader itself failed on this cell (crash, timeout, watchdog, out of memory): not the answer's doing."""
+        return cls("error", NOT_SCORED, (reason,))
+
     @property
     def passed(self) -> bool:
         return self.status == "pass"
 
     def text(self) -> str:
-        lines = [f"Re-measured by the course's grader, outside your notebook: {self.status.upper()}", self.measured]
-        return "\n".join([*lines, *(f"- {reason}" for reason in self.reasons)])
+        if self.status == "error":
+            headline = "The course's grader failed on this cell: NOT SCORED, and it will be graded again"
+        else:
+            headline = f"Re-measured by the course's grader, outside your notebook: {self.status.upper()}"
+        return "\n".join([headline, self.measured, *(f"- {reason}" for reason in self.reasons)])
 
     def __repr__(self) -> str:
         return f"Verdict({self.status}: {self.measured}" + "".join(f"; {r}" for r in self.reasons) + ")"
@@ -149,5 +193,10 @@ class Verdict:
         return {"status": self.status, "measured": self.measured, "reasons": list(self.reasons)}
 
     @classmethod
-    def from_dict(cls, fields: dict) -> Verdict:
+    def from_dict(cls, fields) -> Verdict:
+        """A verdict read back from JSON; ValueError for anything that is not exactly :meth:`to_dict`'s shape."""
+        if not isinstance(fields, dict) or set(fields) != {"status", "measured", "reasons"}:
+            raise ValueError(f"not a verdict: {str(fields)[:200]}")
+        if type(fields["reasons"]) is not list:
+            raise ValueError(f"a verdict's reasons must be a list, not {type(fields['reasons']).__name__}")
         return cls(fields["status"], fields["measured"], tuple(fields["reasons"]))

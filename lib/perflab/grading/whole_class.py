@@ -21,7 +21,10 @@ serial ``nbgrader autograde`` would have left.
   (elsewhere, where another worker has the resource), never scored.
 - **Faults**: Dask reruns the grading of a worker that dies on another worker; one broken or
   hanging submission (``cell_timeout_s`` per cell, ``timeout_s`` per grading) fails alone, with
-  nbgrader's reason, as a serial autograde fails it.
+  nbgrader's reason, as a serial autograde fails it. A grading whose trusted grader failed (it
+  crashed, ran past its limit, was killed for memory) is "grading failed, not scored", and graded
+  again like an inconclusive one; its zero is merged, its autograded folder is not, so the next
+  run grades it again.
 - **Resumable**: a submission counts as graded once its autograded folder is written (the last
   step of a merge), and is skipped the next time, as ``nbgrader autograde`` skips it, unless
   ``force`` or a newer hand-in.
@@ -270,7 +273,7 @@ def grade_class(
 ) -> ClassGrading:
     """Autograde every submission of ``lab`` in ``course`` on Dask and merge them (see the module's docstring).
 
-    ``attempts`` bounds the gradings of one submission whose measurement stays inconclusive.
+    ``attempts`` bounds the gradings of one submission whose measurement stays inconclusive, or whose grader fails.
     """
     from distributed import as_completed
     from tqdm.auto import tqdm
@@ -343,7 +346,8 @@ def grade_class(
                 score = None, None
                 if graded.status != "inconclusive":  # an inconclusive measurement is never scored
                     score = _merge(coursedir, lab, graded)
-                elif attempt < attempts:
+                again = graded.again and attempt < attempts
+                if again:
                     say(f"  again    {student}: {graded.reason}; attempt {attempt + 1} of {attempts}")
                     queue.add(submit(student, attempt + 1, avoid=graded.worker))
                 seconds = graded.ended - graded.started
@@ -361,7 +365,7 @@ def grade_class(
                 )
                 log.write(json.dumps({"lab": lab, **asdict(record)}) + "\n")
                 log.flush()
-                if graded.status == "inconclusive" and attempt < attempts:
+                if again:
                     continue
                 results[student] = record
                 points = f"{record.score:g}/{record.max_score:g} points" if record.score is not None else "no points"

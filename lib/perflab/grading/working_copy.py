@@ -31,6 +31,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ __all__ = [
 _THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _LOCK_FILE = Path(tempfile.gettempdir()) / f"perflab-grading-{os.getuid()}.lock"
 _INCONCLUSIVE_ERROR = "GraderInconclusive"  # the error perflab.grading.nbgrader writes into an inconclusive cell
+_GRADER_ERROR = "GraderError"  # ... and into a cell whose grading failed (a crash, a timeout): not scored
 _TIMEOUT_ERROR = "CellTimeoutError"  # the error nbgrader's Execute writes into a cell that ran past its timeout
 _EXCEPTION_LINE = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b.*)$", re.M)
 
@@ -96,6 +98,7 @@ class Graded:
     student: str
     status: str  # graded, failed or inconclusive
     reason: str = ""
+    not_scored: bool = False  # a cell's grading failed (the grader crashed, ran too long): nothing decided
     files: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # autograded folder: path -> (content, mode)
     gradebook: dict | None = None  # what autograde wrote into the gradebook for this submission
     started: float = 0.0  # wall clock (time.time()) once the grading had its machine lock
@@ -104,6 +107,11 @@ class Graded:
     host: str = field(default_factory=socket.gethostname)
     worker: str = ""
     log_tail: str = ""
+
+    @property
+    def again(self) -> bool:
+        """Whether grading it again may end otherwise: a noisy measurement, a grader that failed."""
+        return self.status == "inconclusive" or self.not_scored
 
 
 def nbgrader_environment() -> dict[str, str]:
@@ -138,14 +146,18 @@ def write_folder(folder: Path, files: dict[str, tuple[bytes, int]]) -> None:
 
 
 def read_folder(folder: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under ``folder``: relative path -> content and permission bits; empty when there is no folder."""
-    if not folder.is_dir():
+    """Every regular file under ``folder``: relative path -> content and permission bits; empty when there is no
+    folder. Links are never followed (a link to the gradebook would hand it over): they, and FIFOs, are skipped."""
+    if not folder.is_dir() or folder.is_symlink():
         return {}
-    return {
-        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mode & 0o777)
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
+    files = {}
+    for root, _, names in os.walk(folder):  # os.walk does not descend into links to folders
+        for name in names:
+            path = Path(root, name)
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode):
+                files[str(path.relative_to(folder))] = (path.read_bytes(), info.st_mode & 0o777)
+    return dict(sorted(files.items()))
 
 
 def _worker_name() -> str:
@@ -287,8 +299,12 @@ def grade_in_working_copy(
         graded.status, graded.reason = "failed", f"the grading ran past its limit of {timeout_s:.0f} s and was killed"
     elif returncode != 0 or not files:
         graded.status, graded.reason = "failed", f"nbgrader could not grade it: {_failure_reason(log)}"
+    elif not_scored := _errors_named(files, _GRADER_ERROR):
+        graded.status, graded.not_scored = "failed", True
+        graded.reason = f"grading failed, not scored: {', '.join(not_scored)} (the grader crashed or ran too long)"
     elif inconclusive := _errors_named(files, _INCONCLUSIVE_ERROR):
-        graded.status, graded.reason = "inconclusive", f"measured too noisily to decide: {', '.join(inconclusive)}"
+        graded.status = "inconclusive"
+        graded.reason = f"measured too noisily to decide: {', '.join(inconclusive)}"
     elif timed_out := _errors_named(files, _TIMEOUT_ERROR):
         limit = f"{cell_timeout_s} s" if cell_timeout_s is not None else "the course's per-cell timeout"
         graded.reason = f"ran past {limit} in {', '.join(timed_out)} (interrupted, scored as an error)"
