@@ -12,6 +12,7 @@ from attacks import LAZY_COMPILED_TRAINING_STEP, LAZY_FIXED_BLOCK
 from perflab.grading.child import AnswerProcess, IdleWatch
 from perflab.grading.code_labs import _interleaved, grade_lab06, measure_until_decided
 from perflab.grading.course import REPO
+from perflab.grading.nbgrader import _clean as clean_source
 from perflab.grading.sandbox import SANDBOX_ENV_VAR, bwrap_works
 from perflab.grading.verdict import Verdict
 
@@ -151,7 +152,6 @@ def compiled_training_step(model, optimizer):
 
     return step
 """
-_MARKERS = {"### BEGIN SOLUTION", "### END SOLUTION", "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"}
 
 
 def _lab_cells(lab: str, answers: dict[str, str]) -> dict:
@@ -159,12 +159,7 @@ def _lab_cells(lab: str, answers: dict[str, str]) -> dict:
     markers, and the learner's answer cells, here the solution's with ``answers`` in place of some."""
     notebook = json.loads((REPO / "solutions" / lab / f"{lab}.ipynb").read_text())
     code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    course = {
-        cell["metadata"]["nbgrader"]["grade_id"]: "\n".join(
-            line for line in "".join(cell["source"]).splitlines() if line.strip() not in _MARKERS
-        )
-        for cell in code
-    }
+    course = {cell["metadata"]["nbgrader"]["grade_id"]: clean_source("".join(cell["source"])) for cell in code}
     learner = {
         cell["metadata"]["nbgrader"]["grade_id"]: "".join(cell["source"])
         for cell in code

@@ -44,7 +44,7 @@ import traceback
 import psutil
 
 from perflab.grading.sandbox import pristine_perflab, require_sandbox, sandbox_command, trusted_python
-from perflab.grading.verdict import tree_cpu_seconds
+from perflab.grading.verdict import Verdict, tree_cpu_seconds
 
 __all__ = [
     "FREEZE_LIMIT_S",
@@ -56,6 +56,7 @@ __all__ = [
     "main",
     "read_frame",
     "send_frame",
+    "verdict_of",
 ]
 
 _LENGTHS = struct.Struct("<II")
@@ -72,6 +73,11 @@ class ChildError(RuntimeError):
 class ChildLost(ChildError):
     """The grading lost the child: it did not answer in time, was killed by a signal (out of memory, say), or could
     not be frozen. No verdict on the answer: that grading failed, and is not scored."""
+
+
+def verdict_of(error: ChildError) -> Verdict:
+    """What a child's error decides: a lost child is the grading's failure (not scored), any other the answer's."""
+    return Verdict.grading_failed(str(error)) if isinstance(error, ChildLost) else Verdict.refused(str(error))
 
 
 def send_frame(stream, header: dict, payload: bytes = b"") -> None:
@@ -131,7 +137,7 @@ class AnswerProcess:
 
         Stopped one at a time, processes of the tree can resume one another (SIGCONT) before the last
         of them is stopped; so the tree is stopped again until two looks in a row find every thread of
-        every process stopped, the same threads, none of which ran in between. Raises ``ChildError``
+        every process stopped, the same threads, none of which ran in between. Raises ``ChildLost``
         when that does not happen within ``FREEZE_LIMIT_S``.
         """
         deadline = time.monotonic() + FREEZE_LIMIT_S

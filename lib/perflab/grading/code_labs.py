@@ -30,7 +30,7 @@ import random
 import torch
 
 from perflab.bench import Comparison, Timing, interleaved_rounds
-from perflab.grading.child import AnswerProcess, ChildError, ChildLost, IdleWatch
+from perflab.grading.child import AnswerProcess, ChildError, IdleWatch, verdict_of
 from perflab.grading.verdict import LoadMeter, Verdict, noise_problems, own_cpu_seconds
 
 __all__ = [
@@ -236,10 +236,8 @@ def grade_lab02(cells: dict, rounds: int = 9) -> dict[str, Verdict]:
             labels=LAB02_TRANSFORMS,
             rounds=rounds,
         )
-    except ChildLost as error:
-        return {"test_preprocess_speed": Verdict.grading_failed(str(error))}
     except ChildError as error:
-        return {"test_preprocess_speed": Verdict.refused(str(error))}
+        return {"test_preprocess_speed": verdict_of(error)}
     if comparison.speedup < 1.5:
         failures.append(f"the fixed pipeline should be at least 1.5x faster; it is {comparison.speedup:.2f}x")
     return {
@@ -296,10 +294,8 @@ def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
             labels=("eager step", "compiled step"),
             rounds=rounds,
         )
-    except ChildLost as error:
-        return {"test_compiled_speed": Verdict.grading_failed(str(error))}
     except ChildError as error:
-        return {"test_compiled_speed": Verdict.refused(str(error))}
+        return {"test_compiled_speed": verdict_of(error)}
     if comparison.speedup < minimum:
         failures.append(f"the compiled step is {comparison.speedup:.2f}x the eager one; at least {minimum}x expected")
     return {

@@ -30,7 +30,7 @@ import torch
 
 from perflab.bench import Comparison, Timing
 from perflab.device import synchronize
-from perflab.grading.child import AnswerProcess, ChildError, ChildLost, IdleWatch
+from perflab.grading.child import AnswerProcess, ChildError, IdleWatch, verdict_of
 from perflab.grading.code_labs import answer_child, grader_seeds, measure_until_decided, run_cells
 from perflab.grading.verdict import LoadMeter, Verdict, own_cpu_seconds
 
@@ -95,10 +95,8 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     index = _crop_index(images)
     try:
         child = answer_child(cells, LAB03_MACHINERY, ["batch_crop_flip", "fast_epoch"], handlers=__name__)
-    except ChildLost as error:
-        return {"test_ceiling": Verdict.grading_failed(str(error))}
     except ChildError as error:
-        return {"test_ceiling": Verdict.refused(str(error))}
+        return {"test_ceiling": verdict_of(error)}
     ceiling = AnswerProcess([], handlers=__name__)
     orders: set[tuple[int, ...]] = set()
     ceiling.call(
@@ -171,10 +169,8 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
         )
         epoch(grader_seeds.randrange(2**31), IdleWatch(), 0)  # warm-up
         comparison, failures, problems = measure_until_decided(measure_once, rounds)
-    except ChildLost as error:
-        return {"test_ceiling": Verdict.grading_failed(str(error))}
     except ChildError as error:
-        return {"test_ceiling": Verdict.refused(str(error))}
+        return {"test_ceiling": verdict_of(error)}
     finally:
         child.close()
         ceiling.close()
