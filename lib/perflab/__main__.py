@@ -1,4 +1,4 @@
-"""The ``perflab`` command: ``python -m perflab doctor``, ``... grade``, ``... bench capstone|grader|grading``, ``... data``, ``... record`` or ``... site``."""
+"""The ``perflab`` command: ``python -m perflab doctor``, ``... grade``, ``... bench capstone|mfu|grader|grading``, ``... data``, ``... record`` or ``... site``."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser = commands.add_parser("bench", help="run one of the course's benchmarks and print its figures")
     bench_parser.add_argument(
         "name",
-        choices=["capstone", "grader", "grading"],
+        choices=["capstone", "mfu", "grader", "grading"],
         help="capstone: naive baseline vs reference optimized pipeline vs compute ceiling; "
+        "mfu: the course GPT's training MFU (low-precision autocast, torch.compile, SDPA) against two peaks; "
         "grader: the capstone grader's verdicts, quiet and beside CPU hogs; "
         "grading: a class graded serially vs on Dask",
     )
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--workers", type=int, default=2, help="grading: Dask workers (default 2)")
     bench_parser.add_argument("--lab", default="lab01_timing", help="grading: an unmeasured lab (default lab01_timing)")
     bench_parser.add_argument("--device", help="device to run on (default: cuda, then mps, then cpu)")
-    bench_parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to PATH as JSON")
+    bench_parser.add_argument(
+        "--json", type=Path, metavar="PATH", help="capstone, mfu: also write the figures to PATH as JSON"
+    )
     commands.add_parser(
         "data", help="generate the course's datasets and their decode-once caches now, not at first use"
     )
@@ -123,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             autograde_benchmark(args.autograde)
         else:
             noise_benchmark(args.gradings, args.hogs)
+    elif args.command == "bench" and args.name == "mfu":
+        from perflab.training_mfu import measure_training_mfu
+
+        result = measure_training_mfu(args.device)
+        if args.json:
+            args.json.write_text(result.to_json())
+        print(result)
     elif args.command == "bench":
         from perflab.capstone import benchmark_capstone
 
