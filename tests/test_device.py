@@ -31,6 +31,7 @@ def test_synchronize_on_cpu_returns():
     assert synchronize("cpu") is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_synchronize_waits_for_queued_cuda_work():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -22,7 +22,7 @@ from perflab.pipeline import (
     random_crop_flip,
     to_model_input,
 )
-from perflab.train import NAIVE, OPTIMIZED, PhaseTimer, TrainConfig, Workload, train
+from perflab.train import NAIVE, OPTIMIZED, PhaseTimer, TrainConfig, Workload, reference_for, train
 from perflab.train_result import PHASES, TrainResult
 from PIL import Image
 from torchvision import transforms
@@ -172,6 +172,26 @@ def test_naive_and_optimized_train_the_same_model_on_the_same_samples():
     assert naive.phase_shares["data_wait"] > optimized.phase_shares["data_wait"], "the PIL path waits for data longer"
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
+def test_a_cache_in_device_memory_trains_on_the_batches_the_host_cache_draws(device):
+    host, on_device = (
+        train(replace(OPTIMIZED, pipeline=pipeline), TINY, device=device, progress=False)
+        for pipeline in ("cached", "device")
+    )
+    # The same crops and flips from the same CPU generator: the same losses (to a GPU's run-to-run noise).
+    assert on_device.losses == pytest.approx(host.losses, rel=1e-3)
+    assert reference_for(device).pipeline == ("device" if device == "cuda" else "cached")
+
+
 def test_result_round_trips_through_json_and_prints_its_figures():
     result = train(OPTIMIZED, TINY, progress=False)
     again = TrainResult.from_json(result.to_json())
@@ -191,6 +211,7 @@ def test_phase_timer_adds_up_each_phase_on_the_host():
     assert steps[0]["fwd"] > 0 and steps[0]["bwd"] == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events time the GPU's work: needs a CUDA device")
 def test_phase_timer_times_gpu_work_with_events():
     timer = PhaseTimer(torch.device("cuda"))

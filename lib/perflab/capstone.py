@@ -41,7 +41,7 @@ from perflab.device import device_name, pick_device
 from perflab.grading.answers import AnswerError, out_of_range, train_config
 from perflab.grading.verdict import INCONCLUSIVE, LoadMeter, noise_problems
 from perflab.render import Environment, Markup, Table
-from perflab.train import NAIVE, OPTIMIZED, TrainConfig, Workload, train
+from perflab.train import NAIVE, TrainConfig, Workload, reference_for, train
 from perflab.train_result import TrainResult
 
 __all__ = [
@@ -191,9 +191,11 @@ class CapstoneBenchmark:
 def benchmark_capstone(
     *, rounds: int = BENCHMARK_ROUNDS, device: str | torch.device | None = None, progress: bool = True
 ) -> CapstoneBenchmark:
-    """Full runs of the baseline and the reference pipeline for accuracy, then interleaved trials."""
+    """Full runs of the baseline and the device's reference pipeline (``reference_for``) for accuracy, then
+    interleaved trials."""
     device = pick_device(device)
-    configs = (NAIVE, OPTIMIZED, ceiling_of(OPTIMIZED))
+    reference = reference_for(device)
+    configs = (NAIVE, reference, ceiling_of(reference))
     accuracies = []
     for config in configs[:2]:
         accuracies.append(train(config, COURSE_WORKLOAD, device=device, progress=progress).val_accuracy)
