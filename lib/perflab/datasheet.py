@@ -20,7 +20,7 @@ Datasheets quote tensor-core rates "with sparsity" (2:4 structured sparsity doub
 figures here are the dense ones, half of those. A dtype a chip's tensor cores lack (bfloat16 on a
 T4) has no entry: PyTorch emulates it there, far below any tensor-core figure.
 
-Used in: lecture 01 (MFU on a GPU), ``python -m perflab bench mfu``.
+Used by perflab.training_mfu (``python -m perflab bench mfu``).
 """
 
 from __future__ import annotations
