@@ -6,7 +6,8 @@ Each attack starts from the reference solution and changes what a learner contro
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
 ``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
 measured cell. Every attack hands in a trimmed notebook (the read-only cells that train or compile
-deleted), as a learner may.
+deleted), as a learner may. Lab 09's are wrong answers instead, handed in whole: each must score
+zero on the cells that ``FAILS`` names and full marks on the others.
 """
 
 from __future__ import annotations
@@ -383,6 +384,78 @@ import perflab.capstone  # noqa: E402
 
 perflab.capstone.grade = lambda *args, **kwargs: _Pass()
 '''
+# Lab 09: not tricks but wrong answers, which its in-kernel tests must catch. Each keeps the reference's shards.
+_ZERO1_SHARD = """%%writefile {work / "zero1.py"}
+import math
+
+import torch
+import torch.distributed as dist
+
+from problem import make_optimizer
+
+
+class ZeRO1:
+    def __init__(self, parameters, lr):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        total = sum(p.numel() for p in self.parameters)
+        self.shard_size = math.ceil(total / self.world_size)
+        self.start = min(self.rank * self.shard_size, total)
+        self.end = min(self.start + self.shard_size, total)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters])
+        self.shard = torch.nn.Parameter(flat[self.start:self.end].clone())
+        self.optimizer = make_optimizer([self.shard], lr)
+
+    def zero_grad(self):
+        for parameter in self.parameters:
+            parameter.grad = None
+"""
+LAB09 = {
+    # Sums the gradients instead of averaging them: AdamW's update hardly changes when every gradient is scaled.
+    "sum_gradients": {
+        "zero1": _ZERO1_SHARD
+        + """
+    @torch.no_grad()
+    def step(self):
+        gradients = torch.cat([p.grad.reshape(-1) for p in self.parameters])
+        dist.all_reduce(gradients)  # the sum over ranks, never divided by their number
+        self.shard.grad = gradients[self.start:self.end].clone()
+        self.optimizer.step()
+        padded = torch.zeros(self.shard_size, dtype=self.shard.dtype)
+        padded[: self.end - self.start] = self.shard
+        gathered = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype)
+        dist.all_gather_single(gathered, padded)
+        offset = 0
+        for parameter in self.parameters:
+            parameter.copy_(gathered[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
+"""
+    },
+    # Trains DDP's way, with a whole optimizer on every rank, and steps a shard's optimizer beside it as a decoy:
+    # `self.optimizer` holds 1/N of the state, the rank all of it.
+    "decoy_optimizer": {
+        "zero1": _ZERO1_SHARD
+        + """
+    @torch.no_grad()
+    def step(self):
+        if not hasattr(self, "_everything"):
+            self._everything = make_optimizer(self.parameters, self.optimizer.defaults["lr"])
+        for parameter in self.parameters:
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= self.world_size
+        self._everything.step()
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.optimizer.step()
+"""
+    },
+}
+# The graded cells each wrong answer of lab 09 must score 0 on; it must score full marks on the others.
+FAILS = {
+    "lab09_sharding": {
+        "sum_gradients": ("test_equivalence", "test_uneven"),  # their SGD configurations
+        "decoy_optimizer": ("test_sharded_state", "test_uneven"),
+    }
+}
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
 NEEDS_SANDBOX = {"writes_grader", "leak"}
 ATTACKS = {
@@ -390,12 +463,14 @@ ATTACKS = {
     "lab02_profiling": LAB02,
     "lab03_data_loading": LAB03,
     "lab06_compile": LAB06,
+    "lab09_sharding": LAB09,
     "lab10_capstone": LAB10,
 }
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
-# own cells, from its copy of the lab.
+# own cells, from its copy of the lab. Lab 09's wrong answers keep every cell: its tests run in the kernel.
 KEPT = {"colab_setup", "setup"}
+UNTRIMMED = set(FAILS)
 
 
 def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:
@@ -410,6 +485,7 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
             and nbgrader.get("locked")
             and not nbgrader.get("grade")
             and _grade_id(cell) not in KEPT
+            and lab not in UNTRIMMED
         ):
             continue
         kept.append(cell)

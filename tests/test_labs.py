@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import perflab
 import pytest
-from attacks import ATTACKS, NEEDS_SANDBOX, build_attack
+from attacks import ATTACKS, FAILS, NEEDS_SANDBOX, build_attack
 from nbgrader.api import Gradebook
 from perflab.grading import MEASURED_CELLS
 from perflab.grading.course import LAB_NAMES, REPO, NbgraderCourse
@@ -195,17 +195,29 @@ def test_grading_round_trip(graded_course, lab):
         assert untouched.code_score == 0, "an untouched release must get no autograded point"
         assert solved.max_written_score > 0, "the lab needs at least one manually graded answer"
         scores = {"solved": solved.score}
-        scored = {
+        graded = {
             name: {
-                grade.name: grade.score
+                grade.name: (grade.score, grade.max_score)
                 for notebook in gradebook.find_submission(lab, f"attack_{name}").notebooks
                 for grade in notebook.grades
-                if grade.name in MEASURED_CELLS.get(lab, ())
+                if grade.cell.cell_type == "code"
             }
             for name in attacks
         }
+    # A measured lab's attacks score nothing on its measured cells; a wrong answer nothing on the cells that must
+    # catch it, and full marks elsewhere: it is wrong only where it says.
+    failing = {name: FAILS.get(lab, {}).get(name, MEASURED_CELLS.get(lab, ())) for name in attacks}
+    scored = {name: {cell: graded[name][cell][0] for cell in failing[name]} for name in attacks}
     assert all(score == 0 for scores in scored.values() for score in scores.values()), (
-        f"an attack scored measured points: {scored}"
+        f"an attack scored points it must not: {scored}"
+    )
+    short = {
+        name: {cell: score for cell, (score, most) in graded[name].items() if score < most}
+        for name in FAILS.get(lab, {})
+        if name in attacks
+    }
+    assert all(set(lost) == set(failing[name]) for name, lost in short.items()), (
+        f"a wrong answer lost points on other cells than those that must catch it: {short}"
     )
 
     assert not _errors(course, lab), f"the autograded solution raised {_errors(course, lab)}"

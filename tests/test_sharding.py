@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import threading
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from perflab.sharding import (
     PEAK_PARTS,
     STAGES,
     Collective,
+    SentBytes,
     ShardedStep,
+    bus_factor,
     estimate_sharded_step,
     peak_parts,
     profile_collectives,
@@ -73,11 +78,12 @@ def test_more_ranks_never_hold_more_and_the_activations_stay():
     assert many.peak - many.at_peak["activations"] - many.at_peak["gathered"] < 1000
 
 
-def test_communication_follows_the_ring_algorithms():
+def test_communication_counts_bus_bytes():
     weights = estimate("ddp").parameters
     fraction = 3 / 4  # (N - 1) / N on 4 ranks
     assert estimate("ddp").sent == round(2 * weights * fraction)
-    assert estimate("zero1").sent == round(3 * weights * fraction)  # DDP's all-reduce, then broadcasts
+    # DDP's all-reduce, then broadcasts, whose root sends the whole payload: bus factor 1, not (N - 1) / N.
+    assert estimate("zero1").sent == round(2 * weights * fraction + weights)
     assert estimate("zero2").sent == estimate("ddp").sent  # a reduce-scatter and an all-gather: one all-reduce
     assert estimate("zero3", reshard_after_forward=False).sent == estimate("ddp").sent
     # Resharded, every block is gathered twice; the root once.
@@ -158,11 +164,37 @@ def test_collectives_are_counted_with_their_sizes_and_what_gloo_ran(world_of_one
     assert all(c.seconds >= 0 for c in found.values())
 
 
-def test_bytes_sent_per_rank():
-    all_reduce = Collective("all-reduce", count=1, payload=1000, seconds=0.0, ran_as="gloo:all_reduce")
-    all_gather = Collective("all-gather", count=1, payload=1000, seconds=0.0, ran_as="gloo:all_gather")
-    assert (all_reduce.sent(1), all_reduce.sent(2), all_reduce.sent(4)) == (0, 1000, 1500)
-    assert (all_gather.sent(1), all_gather.sent(2), all_gather.sent(4)) == (0, 500, 750)
+def test_bus_bytes_and_what_all_ranks_send():
+    def collective(kind):
+        return Collective(kind, count=1, payload=1000, seconds=0.0, ran_as="gloo")
+
+    all_reduce, all_gather, broadcast = collective("all-reduce"), collective("all-gather"), collective("broadcast")
+    assert [all_reduce.sent(n) for n in (1, 2, 4)] == [0, 1000, 1500]
+    assert [all_gather.sent(n) for n in (1, 2, 4)] == [0, 500, 750]
+    assert [broadcast.sent(n) for n in (1, 2, 4)] == [0, 1000, 1000]  # the root sends it all
+    # All ranks together: each of the other N - 1 ranks receives the payload (twice, in an all-reduce).
+    assert [all_reduce.total_sent(n) for n in (1, 2, 4)] == [0, 2000, 6000]
+    assert [c.total_sent(4) for c in (all_gather, broadcast, collective("reduce-scatter"))] == [3000] * 3
+    with pytest.raises(KeyError):
+        bus_factor("all-to-all", 4)
+
+
+def test_sent_bytes_counts_a_process_writes_and_the_loopback_interface():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+        received = []
+        reader = threading.Thread(target=lambda: received.append(len(receiver.recv(1 << 20, socket.MSG_WAITALL))))
+        reader.start()
+        with SentBytes() as sent:
+            os.write(sender.fileno(), b"x" * (1 << 20))  # a write call, as gloo's transport makes
+            reader.join(timeout=30)
+        sender.close(), receiver.close()
+    assert received == [1 << 20]
+    if sent.process is None:
+        pytest.skip("no /proc/self/io on this system")
+    assert sent.process >= 1 << 20
+    assert sent.loopback >= 1 << 20  # and headers, and whatever else used loopback meanwhile
 
 
 def test_a_window_must_be_in_the_profile_once(world_of_one):

@@ -6,9 +6,9 @@
     >>> ddp, zero3 = (estimate_sharded_step(config, batch_size=8, seq_len=128, world_size=4, stage=stage)
     ...               for stage in ("ddp", "zero3"))
     >>> ddp
-    ShardedStep(DDP on 4 ranks, estimate: keeps parameters 1.78 + gradients 1.78 + optimizer state 3.57 MB; peak 30.30 MB; sends 2.68 MB per step)
+    ShardedStep(DDP on 4 ranks, estimate: keeps parameters 1.78 + gradients 1.78 + optimizer state 3.57 MB; peak 30.30 MB; bus bytes 2.68 MB per step)
     >>> zero3
-    ShardedStep(ZeRO-3 on 4 ranks, estimate: keeps parameters 0.45 + gradients 0.45 + optimizer state 0.89 MB; peak 26.73 MB; sends 3.87 MB per step)
+    ShardedStep(ZeRO-3 on 4 ranks, estimate: keeps parameters 0.45 + gradients 0.45 + optimizer state 0.89 MB; peak 26.73 MB; bus bytes 3.87 MB per step)
     >>> zero3.at_peak["activations"] == ddp.at_peak["activations"]    # every rank still runs its whole batch
     True
 
@@ -23,11 +23,17 @@ root stays gathered from forward to backward, and backward gathers the next bloc
 computes, so the peak holds the root and two blocks; with ``reshard_after_forward=False``, all of
 it. The estimated peak adds the parts up, as the paper does.
 
-Bytes sent per rank count bandwidth-optimal collectives on N ranks: an all-reduce of S bytes
-sends 2(N-1)/N S, a reduce-scatter, all-gather or broadcast (N-1)/N S. ZeRO-1 is PyTorch's
-``ZeroRedundancyOptimizer`` under DDP, which all-reduces and then broadcasts the updated
-parameters. :func:`profile_collectives` reads the collectives of one step off a ``torch.profiler``
-run of a gloo rank, and :func:`peak_parts` the parts of a peak off PyTorch's memory trackers.
+Communication is counted in *bus bytes*: each collective's payload S times its bus factor, as
+nccl-tests defines it (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+2(N-1)/N for an all-reduce, (N-1)/N for a reduce-scatter or an all-gather, 1 for a broadcast, so
+that a collective takes at least its bus bytes / the link's bandwidth. With bandwidth-optimal
+algorithms every rank sends that much in the first three; in a broadcast the root sends all S
+bytes, which bounds its time, while the others send less: (N-1)/N S is a rank's average only when
+every rank is the root for an equal share. ZeRO-1 is PyTorch's ``ZeroRedundancyOptimizer`` under
+DDP, which all-reduces and then broadcasts each updated parameter from the rank that owns it.
+:func:`profile_collectives` reads the collectives of one step off a ``torch.profiler`` run of a
+gloo rank, :class:`SentBytes` what the processes really sent, and :func:`peak_parts` the parts of
+a peak off PyTorch's memory trackers.
 
 Used in: lecture 07 (ddp), lecture 09 (sharding).
 """
@@ -49,11 +55,13 @@ __all__ = [
     "PEAK_PARTS",
     "STAGES",
     "Collective",
+    "SentBytes",
     "ShardedStep",
     "ShardingComparison",
     "StepCollectives",
     "estimate_sharded_step",
     "peak_parts",
+    "bus_factor",
     "profile_collectives",
 ]
 
@@ -72,7 +80,8 @@ class ShardedStep:
     ``parameters``, ``gradients`` and ``optimizer_state`` are what the rank keeps of each, its
     shard or all of it. ``at_peak`` says what it holds at the step's peak, by part (see
     :data:`PEAK_PARTS`: ``gathered`` are parameters all-gathered in full, ``other`` the
-    temporaries no formula counts). ``sent`` is the bytes it sends per step.
+    temporaries no formula counts). ``sent`` is the step's bus bytes: each collective's payload
+    times its :func:`bus_factor`, what the collectives cost in time at a given bandwidth.
     """
 
     stage: str
@@ -110,13 +119,13 @@ class ShardedStep:
         kept = " + ".join(f"{_label(c)} {getattr(self, c) / 1e6:.2f}" for c in COMPONENTS)
         return (
             f"ShardedStep({self.label} on {self.world_size} ranks, {self.source}: keeps {kept} MB; "
-            f"peak {self.peak / 1e6:.2f} MB; sends {self.sent / 1e6:.2f} MB per step)"
+            f"peak {self.peak / 1e6:.2f} MB; bus bytes {self.sent / 1e6:.2f} MB per step)"
         )
 
     def _repr_html_(self) -> str:
         rows = [(f"keeps {_label(c)}", getattr(self, c)) for c in COMPONENTS]
         rows += [(f"at the peak: {_label(part)}", count) for part, count in self.at_peak.items()]
-        rows += [("peak", self.peak), ("sends per step", self.sent)]
+        rows += [("peak", self.peak), ("bus bytes per step", self.sent)]
         megabytes = [(name, _mb(count)) for name, count in rows]
         caption = f"{self.label} on {self.world_size} ranks, per rank: {self.source}"
         return Table((), megabytes, caption=caption, numeric=(1,))._repr_html_()
@@ -156,7 +165,7 @@ class ShardingComparison:
 
 
 def _label(name: str) -> str:
-    return {"sent": "sent per step"}.get(name, name.replace("_", " "))
+    return {"sent": "bus bytes per step"}.get(name, name.replace("_", " "))
 
 
 def _mb(count: int) -> str:
@@ -195,12 +204,18 @@ def estimate_sharded_step(
     gathered = 0
     if stage == "zero3":
         gathered = root + min(_GATHERED_BLOCKS, config.n_layer) * block if reshard_after_forward else weights
-    sent = {  # in units of one collective's bytes
-        "ddp": 2 * weights,  # all-reduce the gradients
-        "zero1": 2 * weights + weights,  # DDP's all-reduce, then broadcast each rank's updated parameters
-        "zero2": weights + weights,  # reduce-scatter the gradients, all-gather the updated parameters
+    n = world_size
+    sent = {  # payload x bus factor, collective by collective
+        "ddp": weights * bus_factor("all-reduce", n),  # all-reduce the gradients
+        # DDP's all-reduce, then each updated parameter broadcast from the rank that owns it
+        "zero1": weights * bus_factor("all-reduce", n) + weights * bus_factor("broadcast", n),
+        # reduce-scatter the gradients, all-gather the updated parameters
+        "zero2": weights * (bus_factor("reduce-scatter", n) + bus_factor("all-gather", n)),
         # all-gather in forward, again in backward but for the root, which stays gathered; reduce-scatter
-        "zero3": 3 * weights - root if reshard_after_forward else 2 * weights,
+        "zero3": (
+            (2 * weights - root if reshard_after_forward else weights) * bus_factor("all-gather", n)
+            + weights * bus_factor("reduce-scatter", n)
+        ),
     }[stage]
     return ShardedStep(
         stage=stage,
@@ -208,7 +223,7 @@ def estimate_sharded_step(
         reshard_after_forward=reshard_after_forward,
         **kept,
         at_peak={**kept, "gathered": gathered, "activations": whole.activations},
-        sent=round(sent * (world_size - 1) / world_size),
+        sent=round(sent),
         source="estimate",
     )
 
@@ -258,6 +273,20 @@ _ISSUED = {
 _RUN_BY_GLOO = {"gloo:all_reduce": "all-reduce", "gloo:broadcast": "broadcast", "gloo:all_gather": "all-gather"}
 
 
+def bus_factor(kind: str, world_size: int) -> float:
+    """Bus bytes per payload byte of one collective on ``world_size`` ranks (nccl-tests' PERFORMANCE.md).
+
+    >>> [bus_factor(kind, 4) for kind in ("all-reduce", "reduce-scatter", "all-gather", "broadcast")]
+    [1.5, 0.75, 0.75, 1]
+    """
+    if world_size == 1:
+        return 0  # nothing leaves a world of one
+    if kind == "broadcast":
+        return 1  # the root sends the whole payload, however many ranks receive it
+    ring = (world_size - 1) / world_size  # each rank sends all pieces but its own
+    return {"all-reduce": 2 * ring, "reduce-scatter": ring, "all-gather": ring}[kind]
+
+
 @dataclass(frozen=True)
 class Collective:
     """The calls of one kind of collective in a profiled window, and what gloo ran for them."""
@@ -269,8 +298,15 @@ class Collective:
     ran_as: str  # gloo's own operation: it runs a reduce-scatter as an all-reduce of the whole input
 
     def sent(self, world_size: int) -> int:
-        """Bytes each rank sends for these calls with a bandwidth-optimal algorithm."""
-        return round(self.payload * (2 if self.kind == "all-reduce" else 1) * (world_size - 1) / world_size)
+        """The calls' bus bytes: payload x :func:`bus_factor`; what each rank sends with a bandwidth-optimal algorithm,
+        but for a broadcast, where the root sends it and the other ranks less."""
+        return round(self.payload * bus_factor(self.kind, world_size))
+
+    def total_sent(self, world_size: int) -> int:
+        """Bytes all ranks send together for these calls with bandwidth-optimal algorithms: every rank receives
+        (N-1)/N of the payload (all of it in a broadcast, but the root), twice in an all-reduce."""
+        receivers = world_size - 1
+        return round(self.payload * receivers * (2 if self.kind == "all-reduce" else 1))
 
 
 @dataclass(frozen=True)
@@ -281,7 +317,12 @@ class StepCollectives:
     collectives: tuple[Collective, ...]
 
     def sent(self, world_size: int) -> int:
+        """The window's bus bytes (:meth:`Collective.sent`)."""
         return sum(collective.sent(world_size) for collective in self.collectives)
+
+    def total_sent(self, world_size: int) -> int:
+        """What all ranks send together in the window with bandwidth-optimal algorithms (:meth:`Collective.total_sent`)."""
+        return sum(collective.total_sent(world_size) for collective in self.collectives)
 
 
 def profile_collectives(profile: torch.profiler.profile, window: str) -> StepCollectives:
@@ -298,6 +339,63 @@ def profile_collectives(profile: torch.profiler.profile, window: str) -> StepCol
     start, end = windows[0].time_range.start, windows[0].time_range.end
     inside = [event for event in events if start <= event.time_range.start <= end]
     return StepCollectives(seconds=(end - start) / 1e6, collectives=_collectives(inside))
+
+
+class SentBytes:
+    """Bytes sent while a ``with`` block runs, as Linux counts them (``None`` elsewhere), in two places.
+
+    ``process``: what this process, every thread of it, passed to ``write`` and ``writev`` calls
+    (``wchar`` in ``/proc/self/io``; ``send`` and ``sendmsg`` are not counted): gloo's sends over its
+    TCP sockets, and whatever else the process writes in the block, so keep files and prints out of
+    it. ``loopback``: what left through the loopback interface (``lo`` in ``/proc/net/dev``), packet
+    headers included, from every process of this network namespace: all the ranks of a one-machine
+    job together, and anything that runs beside them.
+
+    >>> import os
+    >>> sink = os.open(os.devnull, os.O_WRONLY)
+    >>> with SentBytes() as sent:
+    ...     _ = os.write(sink, b"x" * 1000)
+    >>> os.close(sink)
+    >>> sent.process is None or sent.process >= 1000
+    True
+    """
+
+    def __init__(self) -> None:
+        self.process: int | None = None
+        self.loopback: int | None = None
+
+    def __enter__(self) -> SentBytes:
+        self._start = (_written(), _loopback_sent())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        ends = (_written(), _loopback_sent())
+        self.process, self.loopback = (
+            None if start is None or end is None else end - start for start, end in zip(self._start, ends)
+        )
+
+    def __repr__(self) -> str:
+        return f"SentBytes(process={self.process}, loopback={self.loopback})"
+
+
+def _written() -> int | None:
+    try:
+        with open("/proc/self/io") as counters:
+            return next(int(line.split(":")[1]) for line in counters if line.startswith("wchar:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _loopback_sent() -> int | None:
+    try:
+        with open("/proc/net/dev") as counters:
+            for line in counters:
+                name, _, fields = line.partition(":")
+                if name.strip() == "lo":
+                    return int(fields.split()[8])  # receive: 8 fields, then transmit: bytes first
+    except OSError:
+        pass
+    return None
 
 
 def _bytes(shape: list[int], dtype: str) -> int:
