@@ -411,29 +411,11 @@ class ZeRO1:
             parameter.grad = None
 """
 LAB09 = {
-    # Sums the gradients instead of averaging them: AdamW's update hardly changes when every gradient is scaled.
-    "sum_gradients": {
-        "zero1": _ZERO1_SHARD
-        + """
-    @torch.no_grad()
-    def step(self):
-        gradients = torch.cat([p.grad.reshape(-1) for p in self.parameters])
-        dist.all_reduce(gradients)  # the sum over ranks, never divided by their number
-        self.shard.grad = gradients[self.start:self.end].clone()
-        self.optimizer.step()
-        padded = torch.zeros(self.shard_size, dtype=self.shard.dtype)
-        padded[: self.end - self.start] = self.shard
-        gathered = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype)
-        dist.all_gather_single(gathered, padded)
-        offset = 0
-        for parameter in self.parameters:
-            parameter.copy_(gathered[offset : offset + parameter.numel()].view_as(parameter))
-            offset += parameter.numel()
-"""
-    },
-    # Trains DDP's way, with a whole optimizer on every rank, and steps a shard's optimizer beside it as a decoy:
-    # `self.optimizer` holds 1/N of the state, the rank all of it.
-    "decoy_optimizer": {
+    # Two wrong answers in one submission, each caught by its own test (one lab 09 grading costs half a minute):
+    # it trains DDP's way, with a whole optimizer on every rank, and steps a shard's optimizer beside it as a
+    # decoy (`self.optimizer` holds 1/N of the state, the rank all of it); and it sums the gradients instead of
+    # averaging them, which AdamW's update hardly notices, since it divides by the gradients' own scale.
+    "sum_and_decoy": {
         "zero1": _ZERO1_SHARD
         + """
     @torch.no_grad()
@@ -441,8 +423,7 @@ LAB09 = {
         if not hasattr(self, "_everything"):
             self._everything = make_optimizer(self.parameters, self.optimizer.defaults["lr"])
         for parameter in self.parameters:
-            dist.all_reduce(parameter.grad)
-            parameter.grad /= self.world_size
+            dist.all_reduce(parameter.grad)  # the sum over ranks, never divided by their number
         self._everything.step()
         self.shard.grad = torch.zeros_like(self.shard)
         self.optimizer.step()
@@ -452,8 +433,8 @@ LAB09 = {
 # The graded cells each wrong answer of lab 09 must score 0 on; it must score full marks on the others.
 FAILS = {
     "lab09_sharding": {
-        "sum_gradients": ("test_equivalence", "test_uneven"),  # their SGD configurations
-        "decoy_optimizer": ("test_sharded_state", "test_uneven"),
+        # The sum fails the SGD configurations (test_equivalence, test_uneven); the decoy, test_sharded_state.
+        "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
     }
 }
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
