@@ -154,8 +154,10 @@ def measure_peaks(
     samples: int = 10,
 ) -> Peaks:
     """The fastest of ``samples`` of a square ``dtype`` matmul (``2 n^3`` FLOPs) and of a copy (its bytes read once,
-    written once), sized to reach the device's plateau in a second or so: what PyTorch achieves, below any datasheet."""
+    written once), sized to reach the device's plateau in a second or so: what PyTorch achieves, below any datasheet.
+    The label says "TF32 allowed" where ``torch.backends.cuda.matmul.fp32_precision`` lets float32 matmuls use TF32."""
     device = pick_device(device)
+    tf32 = device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
     n, mib = (given or default for given, default in zip((matmul_size, copy_mib), _PEAK_SIZES[device.type]))
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     matmul = benchmark(lambda: a @ b, device=device, samples=samples, warmup=1)
@@ -165,7 +167,7 @@ def measure_peaks(
     return Peaks(
         flops_per_s=2 * n**3 / min(matmul.times),  # a peak is the best the machine did: noise only slows
         bytes_per_s=2 * src.nbytes / min(copy.times),
-        matmul=f"matmul {n}x{n} {str(dtype).removeprefix('torch.')}",
+        matmul=f"matmul {n}x{n} {str(dtype).removeprefix('torch.')}{', TF32 allowed' if tf32 else ''}",
         copy=f"copy {mib} MiB, read + write",
         environment=Environment.capture(device),
     )

@@ -30,7 +30,7 @@ Two peaks: the datasheet's dense figure for the autocast dtype (:mod:`perflab.da
 and a large matmul in that dtype measured now (:func:`perflab.roofline.measure_peaks`; what PyTorch's best
 kernel reaches on this chip).
 
-Used by perflab.__main__ (``python -m perflab bench mfu``).
+Used in: lecture 01 (gpu basics), and by ``python -m perflab bench mfu``.
 """
 
 from __future__ import annotations
