@@ -78,3 +78,15 @@ def test_results_show_as_a_table_and_a_curve():
 def test_bad_input_is_refused_with_a_clear_message(variants, rounds, message):
     with pytest.raises(ValueError, match=message):
         measure_tradeoff(variants, parameters=[], rounds=rounds, device="cpu")
+
+
+def test_a_meter_replaces_the_operator_count_for_the_peak():
+    from perflab.memory import allocator_peak
+
+    weight = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(512, 256)
+    variants = {"matmul": lambda: (x @ weight).square().sum()}
+    by_operators = measure_tradeoff(variants, parameters=[weight], rounds=1, device="cpu")
+    by_allocator = measure_tradeoff(variants, parameters=[weight], rounds=1, device="cpu", meter=allocator_peak)
+    assert by_allocator.variants[0].peak_bytes >= by_operators.variants[0].peak_bytes > 0
+    assert by_allocator.variants[0].saved_bytes == by_operators.variants[0].saved_bytes

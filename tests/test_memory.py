@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from perflab.memory import saved_tensors
 from perflab.models import ResNet, ResNetConfig
@@ -100,3 +101,34 @@ def test_what_selective_checkpointing_keeps_is_counted_when_it_respects_the_hook
         loss.backward()
         kept[name] = saved.bytes
     assert kept["selective"] - kept["full"] == (64 * 128 + 64 * 32) * 4  # the outputs of the two matmuls
+
+
+def test_allocator_peak_counts_what_the_block_held_at_once_and_what_it_still_holds():
+    from perflab.memory import allocator_peak
+
+    with allocator_peak() as allocated:
+        first = torch.randn(250_000)  # 1 MB
+        second = first * 2  # another 1 MB: 2 MB at once
+        del first
+    assert allocated.bytes >= 2 * 250_000 * 4
+    assert allocated.held_bytes == second.nbytes
+
+
+@pytest.mark.slow
+def test_allocator_peak_sees_compiled_code_where_peak_memory_does_not():
+    # Inductor allocates its buffers without calling an operator: only the allocator counts them.
+    from perflab.memory import allocator_peak, peak_memory
+
+    def scores_then_softmax(q, k):
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1).sum()
+
+    q = k = torch.randn(4, 256, 32)
+    compiled = torch.compile(scores_then_softmax)
+    compiled(q, k)
+    with allocator_peak() as allocated:
+        compiled(q, k)
+    with peak_memory() as watched_ops:
+        scores_then_softmax(q, k)
+    scores = 4 * 256 * 256 * 4
+    assert scores <= allocated.bytes < 2 * scores, "the compiled softmax should hold the scores once, fused"
+    assert watched_ops.bytes >= 2 * scores, "eager holds the scores and their softmax at once"

@@ -15,7 +15,9 @@
 do in a few seconds: see :mod:`perflab.doctor`.
 
 Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
-``profiling``, ``diagnose``, ``planted``, ``memory``, ``memory_budget``, ``tradeoff``, ``floats``,
+``profiling``, ``diagnose``, ``planted``, ``cpu_clock``, ``sm_activity``, ``annotation_cost`` (what a
+profiler's marks cost), ``native_logs`` (torch's log lines a learner need not read), ``memory``,
+``memory_budget``, ``tradeoff``, ``floats``,
 ``roofline`` (FLOPs, bytes, MFU), ``amp``, ``training_state``, ``compiling``, ``launches``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
 ``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
@@ -26,6 +28,10 @@ instruments are re-exported here; import the rest from their modules
 Used in: every notebook, lectures 01-09 and labs 01-10.
 """
 
+import os as _os
+import sys as _sys
+
+from perflab import native_logs as _native_logs
 from perflab.bench import Comparison, Timing, benchmark, compare
 from perflab.device import SyncCounter, pick_device, synchronize
 from perflab.device import count_syncs as count_syncs  # deprecated name, importable for one more release
@@ -33,3 +39,8 @@ from perflab.doctor import doctor
 
 __version__ = "0.1.0"
 __all__ = ["Comparison", "SyncCounter", "Timing", "benchmark", "compare", "doctor", "pick_device", "synchronize"]
+
+# torch's uninformative log lines out of what a learner reads (perflab.native_logs says which and why); in a
+# Jupyter kernel also the C++ ones. PERFLAB_NATIVE_LOGS=keep leaves fd 2 untouched, to see them all.
+_in_kernel = type(_sys.stderr).__module__.startswith("ipykernel")  # stderr shown in a notebook
+_native_logs.install(native=_in_kernel and _os.environ.get("PERFLAB_NATIVE_LOGS") != "keep")

@@ -30,6 +30,7 @@ import nbformat
 
 from perflab.device import pick_device
 from perflab.grading.course import REPO
+from perflab.native_logs import without_noise
 from perflab.render import Environment
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "chapter_path",
     "chapters",
     "device_slug",
+    "drop_log_noise",
     "execute",
     "execution_of",
     "record",
@@ -121,6 +123,28 @@ def stamp(notebook: nbformat.NotebookNode, path: Path, environment: Environment,
     notebook.metadata[METADATA_KEY] = execution.to_dict()
 
 
+def drop_log_noise(notebook: nbformat.NotebookNode) -> int:
+    """Remove torch's uninformative log lines (:data:`perflab.native_logs.NOISE`) from ``notebook``'s stderr outputs.
+
+    In place; an output left empty is dropped. Every other line stays. Returns how many lines went.
+    """
+    removed = 0
+    for cell in notebook.cells:
+        kept = []
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream" and output.get("name") == "stderr":
+                text = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
+                cleaned = without_noise(text)
+                removed += text.count("\n") - cleaned.count("\n")
+                if not cleaned.strip():
+                    continue
+                output["text"] = cleaned
+            kept.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = kept
+    return removed
+
+
 def execute(path: Path, *, progress: bool = True) -> nbformat.NotebookNode:
     """Run the notebook at ``path`` top to bottom in a fresh kernel, in its own folder, and stamp it.
 
@@ -145,6 +169,7 @@ def execute(path: Path, *, progress: bool = True) -> nbformat.NotebookNode:
         start = time.perf_counter()
         client.execute()
     stamp(notebook, path, environment, time.perf_counter() - start)
+    drop_log_noise(notebook)  # the kernel's own filter drops them too; a kernel started elsewhere may not
     return notebook
 
 

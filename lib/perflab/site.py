@@ -13,6 +13,8 @@ content, and stages the pages for Sphinx with MyST-NB and the book theme:
 - ``labs/labNN_*/*.ipynb``: the student versions from ``labs/``, as handed out, not executed;
 - ``results/<chapter>/<device>.ipynb``: each run recorded by ``python -m perflab record``.
 
+Every page leaves out torch's uninformative log lines (:mod:`perflab.native_logs`); other stderr stays.
+
 A rebuild after one edit runs only the edited lecture, and Sphinx re-renders only the pages whose
 staged file changed.
 
@@ -31,7 +33,17 @@ from pathlib import Path
 import nbformat
 
 from perflab.grading.course import REPO
-from perflab.record import LECTURES, RESULTS, Execution, chapters, execute, execution_of, recordings, source_sha256
+from perflab.record import (
+    LECTURES,
+    RESULTS,
+    Execution,
+    chapters,
+    drop_log_noise,
+    execute,
+    execution_of,
+    recordings,
+    source_sha256,
+)
 
 __all__ = ["BUILD", "Site", "build_site", "cache_executed"]
 
@@ -104,9 +116,10 @@ def _title(notebook: nbformat.NotebookNode) -> str:
 
 
 def _with_box(notebook: nbformat.NotebookNode, title: str, lines: list[str]) -> nbformat.NotebookNode:
-    """A copy of ``notebook`` with a note box right under its title cell."""
+    """A copy of ``notebook``, without torch's log noise, with a note box right under its title cell."""
     box = nbformat.v4.new_markdown_cell("\n".join([f":::{{admonition}} {title}", ":class: note", "", *lines, ":::"]))
     copy = nbformat.from_dict(notebook)
+    drop_log_noise(copy)  # recordings made before perflab.native_logs filtered them still carry them
     after_title = 1 if copy.cells and copy.cells[0].source.startswith("# ") else 0
     copy.cells.insert(after_title, box)
     for index, cell in enumerate(copy.cells):  # ids must be unique; the box's is random otherwise

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from perflab.bench import format_seconds, interleaved_rounds, median_ratio, time_call
 from perflab.device import pick_device
-from perflab.memory import peak_memory, saved_tensors
+from perflab.memory import PeakMemory, peak_memory, saved_tensors
 from perflab.render import Table
 
 __all__ = ["Tradeoff", "VariantCost", "measure_tradeoff"]
@@ -112,11 +113,15 @@ def measure_tradeoff(
     parameters: Iterable[torch.Tensor],
     rounds: int = 5,
     device: str | torch.device | None = None,
+    meter: Callable[[torch.device], AbstractContextManager[PeakMemory]] | None = None,
 ) -> Tradeoff:
     """Measure each ``forward()`` (which returns a scalar loss) followed by ``loss.backward()``.
 
     ``parameters`` are the tensors whose gradients the backward pass fills: they are reset to None
     before every run, so that each run allocates its gradients afresh and the peak counts them.
+    ``meter(device)`` measures the peak: ``perflab.memory.peak_memory()`` by default; pass
+    ``perflab.memory.allocator_peak`` for variants compiled with ``torch.compile``, whose buffers
+    only the allocator sees.
     """
     if not variants:
         raise ValueError("measure_tradeoff needs at least one variant")
@@ -126,16 +131,20 @@ def measure_tradeoff(
     parameters = list(parameters)
     weights = {p.untyped_storage().data_ptr() for p in parameters}
 
-    def run(forward: Callable[[], torch.Tensor]) -> None:
+    def release_gradients() -> None:
         for parameter in parameters:
             parameter.grad = None
+
+    def run(forward: Callable[[], torch.Tensor]) -> None:
+        release_gradients()
         forward().backward()
 
     memory = {}
     for label, forward in variants.items():
         # Measured first, these runs are also the warm-up: first-call costs stay out of the timed rounds.
-        with peak_memory() as peak:
-            run(forward)
+        release_gradients()  # before the meter starts: the gradients freed are not the variant's
+        with peak_memory() if meter is None else meter(device) as peak:
+            forward().backward()
         with saved_tensors() as saved:
             loss = forward()  # kept alive to the end of the block, so that what it saved is counted
         del loss
