@@ -43,6 +43,7 @@ __all__ = [
     "drop_log_noise",
     "execute",
     "execution_of",
+    "explain_expected_failures",
     "record",
     "recordings",
     "source_sha256",
@@ -145,6 +146,35 @@ def drop_log_noise(notebook: nbformat.NotebookNode) -> int:
     return removed
 
 
+EXPECTED_FAILURE_TAG = "raises-exception"  # nbval's tag: the exercises' checks, which fail until the exercise is done
+
+
+def explain_expected_failures(notebook: nbformat.NotebookNode) -> int:
+    """Turn the error of each cell tagged ``raises-exception`` into a line saying why it failed, in place.
+
+    A recording runs a lecture as learners get it, exercises unsolved, so each exercise's check raises; stored as an
+    error, a reader takes it for a broken lecture. The line keeps the exception's own type and message. Returns how
+    many errors it explained.
+
+        >>> notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert 0", metadata={
+        ...     "tags": ["check", "raises-exception"]})])
+        >>> notebook.cells[0].outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="not yet",
+        ...                                                      traceback=[])]
+        >>> explain_expected_failures(notebook), notebook.cells[0].outputs[0].text
+        (1, 'This check fails until the exercise above is solved: AssertionError: not yet\\n')
+    """
+    explained = 0
+    for cell in notebook.cells:
+        if EXPECTED_FAILURE_TAG not in cell.get("metadata", {}).get("tags", []):
+            continue
+        for index, output in enumerate(cell.get("outputs", [])):
+            if output.get("output_type") == "error":
+                line = f"This check fails until the exercise above is solved: {output['ename']}: {output['evalue']}\n"
+                cell["outputs"][index] = nbformat.v4.new_output("stream", name="stdout", text=line)
+                explained += 1
+    return explained
+
+
 def execute(path: Path, *, progress: bool = True) -> nbformat.NotebookNode:
     """Run the notebook at ``path`` top to bottom in a fresh kernel, in its own folder, and stamp it.
 
@@ -170,6 +200,7 @@ def execute(path: Path, *, progress: bool = True) -> nbformat.NotebookNode:
         client.execute()
     stamp(notebook, path, environment, time.perf_counter() - start)
     drop_log_noise(notebook)  # the kernel's own filter drops them too; a kernel started elsewhere may not
+    explain_expected_failures(notebook)
     return notebook
 
 
