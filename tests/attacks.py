@@ -1,6 +1,6 @@
 """Submissions that try to score the measured points without earning them, as a determined learner would.
 
-    >>> notebook, files = build_attack("lab10_capstone", "grade_replaced")
+    >>> notebook, files = build_attack("lab11_capstone", "grade_replaced")
 
 Each attack starts from the reference solution and changes what a learner controls: the answer
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
@@ -269,7 +269,7 @@ def compiled_training_step(model, optimizer):
     },
 }
 
-# Lab 10: every configuration the naive one (none of them an answer) unless the attack says otherwise.
+# Lab 11: every configuration the naive one (none of them an answer) unless the attack says otherwise.
 NAIVE_CONFIGS = """
 data_config = replace(NAIVE, name="decode once, no syncs")
 batch_config = replace(NAIVE, name="batch 64")
@@ -279,7 +279,7 @@ final_config = replace(NAIVE, name="final")
 KEEP_AMP = False
 """
 TOO_SLOW = 'final_config = replace(NAIVE, name="final", log_every=100, python_metrics=False)\n'
-LAB10 = {
+LAB11 = {
     "grade_replaced": FAKE_PASS
     + """
 import perflab.capstone
@@ -445,7 +445,7 @@ ATTACKS = {
     "lab03_data_loading": LAB03,
     "lab06_compile": LAB06,
     "lab09_sharding": LAB09,
-    "lab10_capstone": LAB10,
+    "lab11_capstone": LAB11,
 }
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
@@ -470,10 +470,10 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
         ):
             continue
         kept.append(cell)
-        if _grade_id(cell) == "setup" and lab == "lab10_capstone":
+        if _grade_id(cell) == "setup" and lab == "lab11_capstone":
             kept.append(new_code_cell(NAIVE_CONFIGS + attack))
     notebook.cells = kept
-    if lab != "lab10_capstone":
+    if lab != "lab11_capstone":
         for grade_id, source in attack.items():
             _set(notebook, grade_id, source)
         return notebook, {}

@@ -228,7 +228,7 @@ def test_grading_round_trip(graded_course, lab):
             assert "Re-measured by the course" in feedback.read_text(), "the feedback shows what the grader measured"
     for cell, text in _measured_outputs(course, "solved", lab).items():
         assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"
-    if lab == "lab10_capstone":
+    if lab == "lab11_capstone":
         too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]

@@ -15,7 +15,7 @@ anywhere else, only ever reaches the grader as data: configurations handed in
 (:mod:`perflab.grading.answers`) or the source of the learner's answer cells, run in a sandboxed
 child that the grader times from outside (:mod:`perflab.grading.child`).
 
-Used in: lab 10.
+Used in: lab 11.
 """
 
 from perflab.grading.answers import hand_in
@@ -25,7 +25,7 @@ MEASURED_CELLS = {
     "lab02_profiling": ("test_preprocess_speed",),
     "lab03_data_loading": ("test_ceiling",),
     "lab06_compile": ("test_compiled_speed",),
-    "lab10_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
+    "lab11_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
 }
 
 __all__ = ["MEASURED_CELLS", "hand_in"]
