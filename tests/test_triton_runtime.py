@@ -58,6 +58,14 @@ def test_the_block_size_changes_what_the_compiler_makes():
     assert large.count("ld.global") > small.count("ld.global"), "each thread loads more elements of a larger block"
 
 
+def test_a_length_known_to_be_a_multiple_of_16_lets_the_compiler_vectorize():
+    unknown = compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024})
+    multiple = compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024}, divisible_by_16=["n"])
+    assert unknown.count("ld.global.v4") == 0 and multiple.count("ld.global.v4") > 0
+    with pytest.raises(ValueError, match="no argument m"):
+        compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024}, divisible_by_16=["m"])
+
+
 def test_a_missing_argument_type_is_refused_before_compiling():
     with pytest.raises(ValueError, match="scale"):
         compile_for_gpu(scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024})
@@ -66,4 +74,3 @@ def test_a_missing_argument_type_is_refused_before_compiling():
 def test_a_kernel_the_compiler_rejects_raises_with_its_message():
     with pytest.raises(RuntimeError, match="could not compile"):
         compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1000})  # tl.arange needs a power of two
-

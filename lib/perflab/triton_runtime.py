@@ -33,13 +33,13 @@ import inspect
 import json
 import os
 import re
-import sys
-import textwrap
 import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +136,7 @@ class GpuCompileReport:
     num_stages: int
     shared_bytes: int  # shared memory per program (thread block), as the compiler's metadata says
     registers: int  # per thread, from ptxas -v
-    spilled_bytes: int  # spill stores + spill loads, from ptxas -v
+    spilled_bytes: int  # per thread: the spill stores ptxas -v reports
     compile_s: float
     ptx: str = field(repr=False)
     opcodes: Mapping[str, int] = field(repr=False, default_factory=dict)
@@ -202,7 +202,9 @@ path, name, request = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 spec = importlib.util.spec_from_file_location("kernel_source", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-source = ASTSource(fn=getattr(module, name), signature=request["signature"], constexprs=request["constexprs"])
+attrs = {(index,): [["tt.divisibility", 16]] for index in request["divisible"]}
+source = ASTSource(fn=getattr(module, name), signature=request["signature"], constexprs=request["constexprs"],
+                   attrs=attrs)
 capability = request["capability"]
 compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": request["num_warps"], "num_stages": request["num_stages"]})
@@ -226,10 +228,10 @@ def _kernel_source(function) -> str:
 
 
 def _resources(ptxas_log: str) -> tuple[int, int]:
-    """(registers per thread, spilled bytes) from ``ptxas -v``'s report."""
+    """(registers per thread, bytes of registers spilled per thread) from ``ptxas -v``'s report."""
     registers = re.search(r"Used (\d+) registers", ptxas_log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
-    return int(registers.group(1)) if registers else 0, sum(map(int, spills.groups())) if spills else 0
+    spills = re.search(r"(\d+) bytes spill stores", ptxas_log)
+    return int(registers.group(1)) if registers else 0, int(spills.group(1)) if spills else 0
 
 
 def compile_for_gpu(
@@ -240,12 +242,15 @@ def compile_for_gpu(
     capability: int = 90,
     num_warps: int = 4,
     num_stages: int = 3,
+    divisible_by_16: Iterable[str] = (),
 ) -> GpuCompileReport:
     """Compile ``kernel`` (decorated, interpreted or a plain function) for an NVIDIA GPU of ``capability``.
 
     ``types`` gives each runtime argument Triton's type (``"*fp16"`` a pointer to float16, ``"i32"``,
-    ``"fp32"``); ``constexprs`` the compile-time constants. No GPU is needed, and the interpreter may be
-    on: the compiler runs in a child process. The kernel must use only ``triton`` and ``tl`` (its source
+    ``"fp32"``); ``constexprs`` the compile-time constants. Every pointer is taken as 16-byte aligned, and
+    each integer named in ``divisible_by_16`` as a multiple of 16, as the JIT specializes a launch on such
+    arguments (``triton/backends/compiler.py``, ``get_tensor_specialization``): what lets it vectorize loads.
+    No GPU is needed, and the interpreter may be on: the compiler runs in a child process. The kernel must use only ``triton`` and ``tl`` (its source
     is compiled on its own).
     """
     function = getattr(kernel, "fn", kernel)  # a JITFunction and an InterpretedFunction both keep the Python function
@@ -253,7 +258,12 @@ def compile_for_gpu(
     missing = [name for name in names if name not in types and name not in constexprs]
     if missing:
         raise ValueError(f"give a type or a constexpr value for {', '.join(missing)}")
+    unknown = set(divisible_by_16) - set(names)
+    if unknown:
+        raise ValueError(f"{function.__name__} has no argument {', '.join(sorted(unknown))}")
+    divisible = [index for index, name in enumerate(names) if name in divisible_by_16 or types.get(name, "")[:1] == "*"]
     request = {
+        "divisible": divisible,
         "signature": {name: "constexpr" if name in constexprs else types[name] for name in names},
         "constexprs": dict(constexprs),
         "capability": capability,
