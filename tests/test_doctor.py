@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 import torch
-from perflab.doctor import DoctorReport, distributed_checks, dtype_speed_checks, sdpa_checks
+from perflab.doctor import DoctorReport, distributed_checks, dtype_speed_checks, sdpa_checks, triton_checks
 
 
 def test_python_m_perflab_doctor_prints_the_whole_table():
@@ -16,6 +16,7 @@ def test_python_m_perflab_doctor_prints_the_whole_table():
         "matmul 512x512 bf16",
         "SDPA math",
         "torch.compile",
+        "Triton kernels",
         "gloo",
     ):
         assert expected in table, f"{expected!r} missing from:\n{table}"
@@ -48,3 +49,11 @@ def test_report_looks_up_results_by_name_and_renders_html():
     report = DoctorReport(tuple(sdpa_checks(torch.device("cpu"))))
     assert report["SDPA math"] == "works"
     assert "<table>" in report._repr_html_() and "SDPA math" in str(report)
+
+
+def test_the_triton_row_says_how_kernels_run_here_and_why():
+    (check,) = triton_checks()
+    mode, _, reason = check.result.partition(": ")
+    assert check.name == "Triton kernels" and reason
+    expected = {"compiled"} if torch.cuda.is_available() else {"interpreted", "unavailable"}
+    assert mode in expected, check.result

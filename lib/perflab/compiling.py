@@ -34,7 +34,7 @@ which PyTorch's troubleshooting documentation uses, and ``torch._inductor.utils.
 which its own tests use. Both reset Dynamo first, which drops every compiled function's cached
 code (the next call compiles again, helped by Inductor's on-disk cache).
 
-Used in: lecture 06 (compile), lab 06.
+Used in: lecture 06 (compile), lecture 10 (triton), lab 06.
 """
 
 from __future__ import annotations

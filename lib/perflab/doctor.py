@@ -10,6 +10,7 @@
     precision    matmul 512x512 fp32               ...
     attention    SDPA math                         works
     compile      C++ compiler                      ...
+    compile      Triton kernels                    ...
     distributed  gloo                              ...
     >>> report["torch"] == torch.__version__, report["SDPA math"]
     (True, 'works')
@@ -43,6 +44,7 @@ __all__ = [
     "dtype_speed_checks",
     "machine_checks",
     "sdpa_checks",
+    "triton_checks",
     "version_checks",
 ]
 
@@ -194,6 +196,14 @@ def compile_checks(device: torch.device) -> list[Check]:
     return checks
 
 
+def triton_checks() -> list[Check]:
+    """Whether a Triton kernel would run compiled (a GPU), interpreted (TRITON_INTERPRET=1) or not at all."""
+    from perflab.triton_runtime import triton_mode
+
+    mode = triton_mode()
+    return [Check("compile", "Triton kernels", f"{mode.mode}: {mode.reason}")]
+
+
 def distributed_checks() -> list[Check]:
     """Run a one-process all_reduce in each backend that this build has."""
     import torch.distributed as dist
@@ -240,6 +250,7 @@ def doctor(device: str | torch.device | None = None) -> DoctorReport:
         + dtype_speed_checks(device)
         + sdpa_checks(device)
         + compile_checks(device)
+        + triton_checks()
         + distributed_checks()
     )
     return DoctorReport(tuple(checks))

@@ -13,7 +13,7 @@ runs, and writes the executed notebook to ``results/01_gpu_basics/<device>.ipynb
 Nothing in it is typed by hand. The website (:mod:`perflab.site`) shows every recording beside
 the outputs of the machine that builds it.
 
-Used by perflab.site and perflab.__main__ (``python -m perflab record``).
+Used in: lecture 10 (triton), and by perflab.site and perflab.__main__: ``python -m perflab record``.
 """
 
 from __future__ import annotations
