@@ -233,9 +233,11 @@ def _configurations(constants: dict) -> list:
 
 
 def _inputs(seed: int, shape: tuple, scale: float = 1.0, count: int = 3) -> list[torch.Tensor]:
-    """``count`` float32 tensors of ``shape`` drawn from ``seed``: the same on both sides of the pipe."""
+    """``count`` float32 tensors of ``shape`` drawn from ``seed``, the same on both sides of the pipe; ``scale``
+    multiplies q and k, and so the scores by ``scale**2``, not the values that the outputs average."""
     generator = torch.Generator().manual_seed(seed)
-    return list((torch.randn(count, *shape, generator=generator) * scale).unbind(0))
+    q, k, *rest = torch.randn(count, *shape, generator=generator).unbind(0)
+    return [q * scale, k * scale, *rest]
 
 
 def _exact_attention(q, k, v, causal: bool):
