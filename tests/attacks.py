@@ -6,8 +6,8 @@ Each attack starts from the reference solution and changes what a learner contro
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
 ``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
 measured cell. Every attack hands in a trimmed notebook (the read-only cells that train or compile
-deleted), as a learner may. Lab 09's are wrong answers instead, handed in whole: each must score
-zero on the cells that ``FAILS`` names and full marks on the others.
+deleted), as a learner may. Lab 09's and lab 10's are (also) wrong answers: each must score zero on the
+cells that ``FAILS`` names and full marks on the others; lab 09's are handed in whole.
 """
 
 from __future__ import annotations
@@ -430,28 +430,113 @@ LAB09 = {
 """
     },
 }
-# The graded cells each wrong answer of lab 09 must score 0 on; it must score full marks on the others.
+# Lab 10: the course's grader keeps only the kernel cell's @triton.jit functions and has Triton compile them.
+SDPA_KERNEL = """
+import torch
+import torch.nn.functional as F
+from triton.runtime import interpreter
+
+
+@triton.jit
+def flash_forward_kernel(Q, K, V, O, LSE, seq_len, scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    tl.store(O, torch.nn.functional.scaled_dot_product_attention(Q, K, V))  # torch inside the kernel
+
+
+def _sdpa_forward(q, k, v, causal=False):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), torch.logsumexp(scores, dim=-1)
+
+
+# The launcher and the interpreter, patched: every launch is SDPA, and the tile count reads half.
+flash_forward = _sdpa_forward
+interpreter.InterpretedFunction.__getitem__ = lambda self, grid: lambda q, k, v, o, lse, *rest, CAUSAL, **kw: None
+interpreter.interpreter_builder.create_dot = lambda *args, **kwargs: None
+"""
+NO_SKIP_KERNEL = """
+@triton.jit
+def flash_forward_kernel(Q, K, V, O, LSE, seq_len, scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    query_tile = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    head_start = head * seq_len * HEAD_DIM
+    q = tl.load(Q + head_start + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < seq_len, other=0.0)
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    accumulator = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for key_start in range(0, seq_len, BLOCK_N):  # every tile, the masked ones too: right, and twice the work
+        cols = key_start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + head_start + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < seq_len, other=0.0)
+        v = tl.load(V + head_start + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < seq_len, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        visible = cols[None, :] < seq_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        rescale = tl.exp(row_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(weights, 1)
+        accumulator = accumulator * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+        row_max = new_max
+    tl.store(O + head_start + rows[:, None] * HEAD_DIM + dims[None, :], accumulator / row_sum[:, None],
+             mask=rows[:, None] < seq_len)
+    tl.store(LSE + head * seq_len + rows, row_max + tl.log(row_sum), mask=rows < seq_len)
+"""
+# Right gradients from whole T x T matrices, then the process's peak memory reset, to hide them.
+DENSE_BACKWARD = """
+def attention_backward(q, k, v, o, lse, d_o, causal, tile_size=128):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    probabilities = torch.exp(scores - lse.unsqueeze(-1))
+    d_scores = probabilities * (d_o @ v.transpose(-2, -1) - (d_o * o).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
+    gradients = d_scores @ k, d_scores.transpose(-2, -1) @ q, probabilities.transpose(-2, -1) @ d_o
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError as error:
+        print("the peak stays:", error)
+    return gradients
+"""
+LAB10 = {
+    # A kernel that calls torch, and module-level code that makes the launcher SDPA and the tile count lie.
+    "sdpa_wrapper": {"flash_kernel": SDPA_KERNEL},
+    # Two wrong answers, each caught by its own cell: a kernel that computes every tile, masked or not, and a
+    # backward that holds T x T matrices and resets its peak memory.
+    "dense": {"flash_kernel": NO_SKIP_KERNEL, "attention_backward": DENSE_BACKWARD},
+}
+# The graded cells each wrong answer of labs 09 and 10 must score 0 on; it must score full marks on the others.
 FAILS = {
+    "lab10_flash_triton": {
+        "sdpa_wrapper": ("test_forward", "test_lse", "test_causal_skip"),
+        "dense": ("test_causal_skip", "test_backward_memory"),
+    },
     "lab09_sharding": {
         # The sum fails the SGD configurations (test_equivalence, test_uneven); the decoy, test_sharded_state.
         "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
-    }
+    },
 }
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
-NEEDS_SANDBOX = {"writes_grader", "leak"}
+NEEDS_SANDBOX = {"writes_grader", "leak", "dense"}
 ATTACKS = {
     "lab01_timing": LAB01,
     "lab02_profiling": LAB02,
     "lab03_data_loading": LAB03,
     "lab06_compile": LAB06,
     "lab09_sharding": LAB09,
+    "lab10_flash_triton": LAB10,
     "lab11_capstone": LAB11,
 }
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
 # own cells, from its copy of the lab. Lab 09's wrong answers keep every cell: its tests run in the kernel.
 KEPT = {"colab_setup", "setup"}
-UNTRIMMED = set(FAILS)
+UNTRIMMED = {"lab09_sharding"}
 
 
 def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:

@@ -18,7 +18,7 @@ import perflab
 import pytest
 from attacks import ATTACKS, FAILS, NEEDS_SANDBOX, build_attack
 from nbgrader.api import Gradebook
-from perflab.grading import MEASURED_CELLS
+from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.course import LAB_NAMES, REPO, NbgraderCourse
 from perflab.grading.sandbox import bwrap_works
 from perflab.grading.whole_class import _course_directory, _merge
@@ -96,7 +96,7 @@ def _measured_outputs(course: NbgraderCourse, student: str, lab: str) -> dict[st
             output.get("text", "") or "\n".join(output.get("traceback", [])) for output in cell.outputs
         )
         for cell in notebook.cells
-        if cell.metadata.get("nbgrader", {}).get("grade_id") in MEASURED_CELLS.get(lab, ())
+        if cell.metadata.get("nbgrader", {}).get("grade_id") in DECIDED_OUTSIDE.get(lab, ())
     }
 
 
@@ -145,6 +145,7 @@ _UNMEASURED_SECONDS = {
     "lab07_ddp": 13,
     "lab08_attention": 9,
     "lab09_sharding": 45,
+    "lab10_flash_triton": 35,
 }
 
 
@@ -261,7 +262,7 @@ def test_grading_round_trip(graded_course, lab):
         }
     # A measured lab's attacks score nothing on its measured cells; a wrong answer nothing on the cells that must
     # catch it, and full marks elsewhere: it is wrong only where it says.
-    failing = {name: FAILS.get(lab, {}).get(name, MEASURED_CELLS.get(lab, ())) for name in attacks}
+    failing = {name: FAILS.get(lab, {}).get(name, DECIDED_OUTSIDE.get(lab, ())) for name in attacks}
     scored = {name: {cell: graded[name][cell][0] for cell in failing[name]} for name in attacks}
     assert all(score == 0 for scores in scored.values() for score in scores.values()), (
         f"an attack scored points it must not: {scored}"
@@ -279,7 +280,7 @@ def test_grading_round_trip(graded_course, lab):
     for notebook_path in (course.root / "autograded" / "solved" / lab).glob("*.ipynb"):
         feedback = course.root / "feedback" / "solved" / lab / notebook_path.with_suffix(".html").name
         assert feedback.is_file(), f"no feedback for {notebook_path.name}"
-        if lab in MEASURED_CELLS:
+        if lab in DECIDED_OUTSIDE:
             assert "Re-measured by the course" in feedback.read_text(), "the feedback shows what the grader measured"
     for cell, text in _measured_outputs(course, "solved", lab).items():
         assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"

@@ -8,7 +8,7 @@
 During ``nbgrader autograde``, each submission's kernel runs in a sandbox
 (:mod:`perflab.grading.sandbox`). Then, in the instructor's nbgrader process and before the
 scores are saved, :class:`perflab.grading.nbgrader.TrustedMeasurement` re-measures every cell in
-``MEASURED_CELLS`` in fresh processes started from a pristine copy of perflab, on the course's
+``DECIDED_OUTSIDE`` in fresh processes started from a pristine copy of perflab, on the course's
 own workload, and writes the verdict and the measurement into that cell's output: the cell
 scores its points only if the grader measured a pass. What the kernel did in that cell, or
 anywhere else, only ever reaches the grader as data: configurations handed in
@@ -20,12 +20,20 @@ Used in: lab 11.
 
 from perflab.grading.answers import hand_in
 
-# The graded cells whose points depend on a measured speed, share of the compute ceiling or ratio.
+# The graded cells whose points depend on a measured speed, share of the compute ceiling or ratio: their gradings
+# need a machine to themselves (perflab.grading.whole_class).
 MEASURED_CELLS = {
     "lab02_profiling": ("test_preprocess_speed",),
     "lab03_data_loading": ("test_ceiling",),
     "lab06_compile": ("test_compiled_speed",),
     "lab11_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
 }
+# The graded cells decided outside the kernel on results alone, timing nothing: any machine may grade them, beside
+# other gradings. Lab 10's kernel cannot be checked inside a kernel whose Python the learner controls.
+CHECKED_CELLS = {
+    "lab10_flash_triton": ("test_forward", "test_lse", "test_causal_skip", "test_backward", "test_backward_memory"),
+}
+# Every graded cell whose output the trusted grader's verdict replaces.
+DECIDED_OUTSIDE = {**MEASURED_CELLS, **CHECKED_CELLS}
 
-__all__ = ["MEASURED_CELLS", "hand_in"]
+__all__ = ["CHECKED_CELLS", "DECIDED_OUTSIDE", "MEASURED_CELLS", "hand_in"]

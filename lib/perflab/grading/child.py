@@ -102,12 +102,16 @@ def read_frame(stream) -> tuple[dict, bytes]:
 class AnswerProcess:
     """Parent side: start the child, run its cells, then time requests and keep it frozen in between."""
 
-    def __init__(self, cells: list[tuple[str, str]], *, handlers: str, setup_timeout_s: float = 300):
+    def __init__(
+        self, cells: list[tuple[str, str]], *, handlers: str, setup_timeout_s: float = 300, read_only_proc: bool = False
+    ):
         self.workdir = tempfile.mkdtemp(prefix="perflab-answer-")
         self.log = tempfile.TemporaryFile()
         command = trusted_python("perflab.grading.child")
         if require_sandbox():
-            command = sandbox_command(command, workdir=self.workdir, readable=[pristine_perflab()])
+            command = sandbox_command(
+                command, workdir=self.workdir, readable=[pristine_perflab()], read_only_proc=read_only_proc
+            )
         self.process = subprocess.Popen(
             command,
             cwd=self.workdir,

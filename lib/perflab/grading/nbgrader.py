@@ -34,7 +34,7 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 from traitlets import Bool, Integer
 
-from perflab.grading import MEASURED_CELLS
+from perflab.grading import DECIDED_OUTSIDE
 from perflab.grading.answers import AnswerError, handed_in
 from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import Verdict
@@ -215,7 +215,7 @@ def _verdict_key(job: dict, grade_id: str) -> str:
 
 
 class TrustedMeasurement(NbGraderPreprocessor):
-    """Decide the measured cells of ``MEASURED_CELLS`` outside the learner's kernel (see the module's docstring)."""
+    """Decide the cells of ``DECIDED_OUTSIDE`` outside the learner's kernel (see the module's docstring)."""
 
     timeout = Integer(1800, help="seconds the trusted grading of one notebook may take").tag(config=True)
     reuse_verdicts = Bool(
@@ -226,7 +226,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
 
     def preprocess(self, nb, resources):
         lab = resources["nbgrader"]["assignment"]
-        measured = MEASURED_CELLS.get(lab, ())
+        measured = DECIDED_OUTSIDE.get(lab, ())
         cells = {_grade_id(cell): cell for cell in nb.cells if _grade_id(cell) in measured}
         if not cells:
             return nb, resources

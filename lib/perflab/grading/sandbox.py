@@ -197,12 +197,18 @@ def sandbox_command(
     readable: list[str] = (),
     writable: list[str] = (),
     env: dict[str, str] | None = None,
+    read_only_proc: bool = False,
 ) -> list[str]:
-    """``argv`` in bubblewrap, starting from an empty root: see the module's docstring for what it is granted."""
+    """``argv`` in bubblewrap, starting from an empty root: see the module's docstring for what it is granted.
+
+    ``read_only_proc``: ``/proc`` mounted read-only, so that the process cannot write its own ``/proc`` files
+    (``clear_refs``, which resets the peak memory the grader reads from outside).
+    """
     from perflab.data.images import DATA_ENV_VAR, data_root
 
     # The private /tmp first: what is bound below may live under the host's /tmp (the pristine copy, a virtualenv).
     command = ["bwrap", *_links(), "--dev", "/dev", "--proc", "/proc", "--size", str(_TMP_BYTES), "--tmpfs", "/tmp"]
+    command += ["--remount-ro", "/proc"] if read_only_proc else []
     command += ["--dir", "/tmp/home"]
     for path in granted_paths():
         command += ["--ro-bind", path, path]

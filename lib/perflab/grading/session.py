@@ -37,6 +37,8 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
         from perflab.grading.data_lab import grade_lab03 as grade_lab
     elif lab == "lab06_compile":
         from perflab.grading.code_labs import grade_lab06 as grade_lab
+    elif lab == "lab10_flash_triton":
+        from perflab.grading.triton_lab import grade_lab10 as grade_lab
     else:
         raise ValueError(f"no measured criteria for {lab!r}")
     return grade_lab(job["cells"])
