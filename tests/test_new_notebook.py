@@ -35,14 +35,14 @@ def test_a_new_lecture_has_the_setup_cell_and_the_five_sections(tmp_path, capsys
 @pytest.mark.slow
 def test_a_new_lab_grades_both_ways(tmp_path):
     repo = _course_folder(tmp_path)
-    assert new_notebook.main(["lab", "lab10_demo", "A demonstration"], repo=repo) == 0
+    assert new_notebook.main(["lab", "lab12_demo", "A demonstration"], repo=repo) == 0
     course = NbgraderCourse(repo)
-    release = course.release("lab10_demo")
-    course.submit("solved", "lab10_demo", files_from=repo / "solutions" / "lab10_demo")
-    course.submit("untouched", "lab10_demo", files_from=release)
-    course.run("autograde", "lab10_demo", "--force")
+    release = course.release("lab12_demo")
+    course.submit("solved", "lab12_demo", files_from=repo / "solutions" / "lab12_demo")
+    course.submit("untouched", "lab12_demo", files_from=release)
+    course.run("autograde", "lab12_demo", "--force")
     with Gradebook(f"sqlite:///{repo / 'gradebook.db'}") as gradebook:
-        solved = gradebook.find_submission("lab10_demo", "solved")
-        untouched = gradebook.find_submission("lab10_demo", "untouched")
+        solved = gradebook.find_submission("lab12_demo", "solved")
+        untouched = gradebook.find_submission("lab12_demo", "untouched")
         assert solved.code_score == solved.max_code_score == 1 and solved.max_written_score == 1
         assert untouched.code_score == 0

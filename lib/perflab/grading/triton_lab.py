@@ -32,11 +32,9 @@ Triton, a call to torch included; no GPU is needed), then, if it accepts them, a
 them under Triton's interpreter (``TRITON_INTERPRET=1``) through the course's own launcher, on
 inputs drawn from seeds chosen here, and counts the tiles they compute (``tl.dot`` calls). Outputs
 and log-sum-exps come back as raw bytes and are compared here with SDPA and ``torch.logsumexp``
-in float64. The learner's backward runs in a third child, which runs the learner's backward cell
-and nothing of the kernel's; its gradients come back as bytes and are compared with autograd
-through SDPA, and its peak memory is read from outside (``VmHWM``, reset before the call through
-``/proc/<pid>/clear_refs``, which the child cannot write: its ``/proc`` is read-only). None of
-these checks times anything: a lab 10 grading needs no quiet machine.
+in float64. The learner's backward is checked beside them, in a third child
+(:mod:`perflab.grading.triton_lab_backward`). None of these checks times anything: a lab 10
+grading needs no quiet machine.
 
 Used by perflab.grading.session.
 """
@@ -46,7 +44,6 @@ from __future__ import annotations
 import ast
 import json
 import linecache
-import math
 import os
 import shutil
 import subprocess
@@ -55,22 +52,26 @@ import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import torch
 
-from perflab.grading.child import AnswerProcess, ChildError, ChildLost, verdict_of
+from perflab.grading.child import AnswerProcess, ChildError
 from perflab.grading.code_labs import grader_seeds
 from perflab.grading.sandbox import require_sandbox, sandbox_command
+from perflab.grading.triton_lab_backward import (
+    CHILD_TIMEOUT_S,
+    backward_verdicts,
+    draw_inputs,
+    exact_attention,
+    tensors_as_bytes,
+    tensors_from_bytes,
+    timeout_verdict,
+)
 from perflab.grading.verdict import Verdict
 
 __all__ = [
-    "BACKWARD_CASES",
     "FORWARD_CASES",
     "KernelRefused",
-    "MEMORY_CASE",
     "SKIP_LENGTH",
-    "child_lab10_backward",
-    "child_lab10_backward_inputs",
     "child_lab10_forward",
     "grade_lab10",
     "kernel_definitions",
@@ -89,12 +90,6 @@ FORWARD_CASES = (
 )
 SKIP_LENGTH = 256  # causal against non-causal at one head of this length: 36 of 64 tiles of 32 (0.5625)
 SKIP_RATIO = (0.4, 0.65)
-BACKWARD_CASES = ((1, 2, 100, 16, True), (2, 1, 37, 32, False), (1, 1, 130, 64, True))
-# One head of T = 4096: its T x T scores are 64 MiB in float32; the backward may grow the process by an eighth of it.
-MEMORY_CASE = (1, 1, 4096, 16, False)
-MEMORY_LIMIT_FRACTION = 1 / 8
-CHILD_TIMEOUT_S = 120  # a request far longer than the reference's few seconds: the answer loops, and fails
-_MACHINERY = ["colab_setup", "setup"]
 
 
 class KernelRefused(ValueError):
@@ -232,36 +227,6 @@ def _configurations(constants: dict) -> list:
     return [(signature, {"HEAD_DIM": dim, **blocks, "CAUSAL": causal}) for dim in head_dims for causal in (False, True)]
 
 
-def _inputs(seed: int, shape: tuple, scale: float = 1.0, count: int = 3) -> list[torch.Tensor]:
-    """``count`` float32 tensors of ``shape`` drawn from ``seed``, the same on both sides of the pipe; ``scale``
-    multiplies q and k, and so the scores by ``scale**2``, not the values that the outputs average."""
-    generator = torch.Generator().manual_seed(seed)
-    q, k, *rest = torch.randn(count, *shape, generator=generator).unbind(0)
-    return [q * scale, k * scale, *rest]
-
-
-def _exact_attention(q, k, v, causal: bool):
-    """SDPA's output and the rows' log-sum-exp, in float64."""
-    q, k, v = (t.double() for t in (q, k, v))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-    if causal:
-        scores = scores.masked_fill(torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return out, torch.logsumexp(scores, dim=-1)
-
-
-def _tensors(payload: bytes, shapes: list) -> list[torch.Tensor]:
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
-    sizes = [math.prod(shape) for shape in shapes]
-    if flat.numel() != sum(sizes):
-        raise ChildError(f"the child sent {flat.numel()} numbers, not {sum(sizes)}")
-    return [part.reshape(shape) for part, shape in zip(flat.split(sizes), shapes)]
-
-
-def _bytes(tensors) -> bytes:
-    return b"".join(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes() for t in tensors)
-
-
 # What the course's launcher needs, with Triton's interpreter on: the lab's own setup imports instruments it does not.
 _KERNEL_SETUP = """
 import math
@@ -305,29 +270,12 @@ def child_lab10_forward(namespace, payload, definitions, cases):
     try:
         for seed, shape, causal, scale in cases:
             dots.append(0)
-            out, lse = namespace["flash_forward"](*_inputs(seed, shape, scale), causal=causal)
+            out, lse = namespace["flash_forward"](*draw_inputs(seed, shape, scale), causal=causal)
             results += [out, lse]
             counts.append(dots[-1])
     finally:
         builder.create_dot = original_dot
-    return counts, _bytes(results)
-
-
-def child_lab10_backward_inputs(namespace, payload, shape):
-    """Keep a case's inputs, so that the request that runs the backward holds nothing else of the grader's."""
-    namespace["_backward_inputs"] = _tensors(payload, [shape] * 4 + [shape[:-1], shape])
-    return None, b""
-
-
-def child_lab10_backward(namespace, payload, causal):
-    q, k, v, out, lse, d_out = namespace.pop("_backward_inputs")
-    gradients = namespace["attention_backward"](q, k, v, out, lse, d_out, causal)
-    if not (isinstance(gradients, tuple | list) and len(gradients) == 3):
-        raise TypeError("attention_backward must return (dq, dk, dv)")
-    for gradient in gradients:
-        if type(gradient) is not torch.Tensor or gradient.shape != q.shape:
-            raise TypeError(f"each gradient must be a torch.Tensor of shape {tuple(q.shape)}")
-    return None, _bytes(gradients)
+    return counts, tensors_as_bytes(results)
 
 
 def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
@@ -354,13 +302,13 @@ def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
         finally:
             child.close()
         shapes = [s for _, shape, _, _ in graded + skips for s in (shape, shape[:-1])]
-        results = _tensors(payload, shapes)
+        results = tensors_from_bytes(payload, shapes)
     except ChildError as error:
-        verdict = _timeout_fails(error)
+        verdict = timeout_verdict(error, CHILD_TIMEOUT_S)
         return dict.fromkeys(("test_forward", "test_lse", "test_causal_skip"), verdict)
     wrong_out, wrong_lse = [], []
     for index, (seed, shape, causal, scale) in enumerate(graded + skips):
-        want_out, want_lse = _exact_attention(*_inputs(seed, shape, scale), causal)
+        want_out, want_lse = exact_attention(*draw_inputs(seed, shape, scale), causal)
         out, lse = results[2 * index : 2 * index + 2]
         name = f"{shape} causal={causal}" + (f" scores x{scale**2:g}" if scale != 1 else "")
         if not torch.allclose(out.double(), want_out, atol=1e-4, rtol=0) or not torch.isfinite(out).all():
@@ -387,110 +335,8 @@ def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
     }
 
 
-def _timeout_fails(error: ChildError) -> Verdict:
-    """A child that did not answer within ``CHILD_TIMEOUT_S`` fails (these checks are not timed: only a loop that
-    never ends takes that long); any other lost child is the grading's failure."""
-    if isinstance(error, ChildLost) and "did not answer in time" in str(error):
-        return Verdict.refused(f"the answer did not finish within {CHILD_TIMEOUT_S} s: {error}")
-    return verdict_of(error)
-
-
-def _answering_process(child: AnswerProcess) -> psutil.Process:
-    """The child's Python, inside the sandbox's process tree."""
-    root = psutil.Process(child.process.pid)
-    # bwrap's own processes carry the same command line: the Python is the one that runs the interpreter.
-    for process in [root, *root.children(recursive=True)]:
-        if os.path.realpath(process.exe()) == os.path.realpath(sys.executable):
-            return process
-    raise ChildLost("the answer's Python is not in its process tree")
-
-
-def _kib(process: psutil.Process, field: str) -> int:
-    with open(f"/proc/{process.pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
-def _backward_request(child: AnswerProcess, seed: int, shape: tuple, causal: bool, before_run=lambda: None):
-    """The learner's gradients for one case, and the exact ones; ``before_run()`` once the child holds the inputs."""
-    q, k, v, d_out = (
-        t.double().requires_grad_() if i < 3 else t.double() for i, t in enumerate(_inputs(seed, shape, count=4))
-    )
-    out, lse = _exact_attention(q.detach(), k.detach(), v.detach(), causal)
-    exact = torch.autograd.grad(
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), d_out
-    )
-    child.call("lab10_backward_inputs", _bytes([q, k, v, out, lse, d_out]), shape=list(shape))
-    before_run()
-    _, reply, _ = child.call("lab10_backward", causal=causal, timeout_s=CHILD_TIMEOUT_S)
-    return _tensors(reply, [shape] * 3), exact
-
-
-def _wrong_gradients(got, exact, name: str) -> list[str]:
-    return [
-        f"{name}: d{which} differs from autograd through SDPA's by {(g.double() - e).abs().max().item():.2e}"
-        for which, g, e in zip("qkv", got, exact)
-        if not torch.allclose(g.double(), e, rtol=1e-3, atol=1e-4)
-    ]
-
-
-def _backward_verdicts(cells: dict) -> dict[str, Verdict]:
-    if "attention_backward" not in cells["learner"]:
-        refused = Verdict.refused("the answer cell attention_backward is missing from the notebook")
-        return {"test_backward": refused, "test_backward_memory": refused}
-    learner = [(name, cells["course"][name]) for name in _MACHINERY]
-    learner.append(("attention_backward", cells["learner"]["attention_backward"]))
-    try:
-        child = AnswerProcess(learner, handlers=__name__, read_only_proc=True)
-    except ChildError as error:
-        verdict = _timeout_fails(error)
-        return {"test_backward": verdict, "test_backward_memory": verdict}
-    try:
-        wrong = []
-        try:
-            for b, h, t, d, causal in BACKWARD_CASES:
-                got, exact = _backward_request(child, grader_seeds.randrange(2**31), (b, h, t, d), causal)
-                wrong += _wrong_gradients(got, exact, f"{(b, h, t, d)} causal={causal}")
-            gradients = Verdict.decide(
-                f"dq, dk, dv against autograd through SDPA: {len(BACKWARD_CASES)} shapes", wrong[:3]
-            )
-        except ChildError as error:
-            gradients = _timeout_fails(error)
-        try:
-            memory = _memory_verdict(child)
-        except ChildError as error:
-            memory = _timeout_fails(error)
-    finally:
-        child.close()
-    return {"test_backward": gradients, "test_backward_memory": memory}
-
-
-def _memory_verdict(child: AnswerProcess) -> Verdict:
-    """The learner's backward at ``MEMORY_CASE``: its gradients must be right, and the child's resident memory must grow
-    by less than ``MEMORY_LIMIT_FRACTION`` of one head's T x T float32 scores, as read from outside."""
-    b, h, t, d, causal = MEMORY_CASE
-    python, resident = _answering_process(child), []
-
-    def reset_peak():
-        with open(f"/proc/{python.pid}/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # the peak resident set (VmHWM) starts again from the current one
-        resident.append(_kib(python, "VmRSS"))
-
-    got, exact = _backward_request(child, grader_seeds.randrange(2**31), (b, h, t, d), causal, reset_peak)
-    growth = (_kib(python, "VmHWM") - resident[0]) * 1024
-    limit = MEMORY_LIMIT_FRACTION * t * t * 4
-    failures = _wrong_gradients(got, exact, f"{(b, h, t, d)}")
-    if growth >= limit:
-        failures.append(
-            f"the backward grew the process by {growth / 2**20:.1f} MiB at T = {t}: a T x T float32 matrix is "
-            f"{t * t * 4 / 2**20:.0f} MiB, and less than {limit / 2**20:.0f} MiB is allowed: work on tiles"
-        )
-    return Verdict.decide(
-        f"peak memory of one backward at T = {t}, read from outside: +{growth / 2**20:.1f} MiB", failures
-    )
-
-
 def grade_lab10(cells: dict) -> dict[str, Verdict]:
     """Every graded cell of lab 10 (see the module's docstring): the kernel's and the backward's, side by side."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        backward = pool.submit(_backward_verdicts, cells)
+        backward = pool.submit(backward_verdicts, cells)
         return {**_forward_verdicts(cells), **backward.result()}
