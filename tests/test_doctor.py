@@ -55,5 +55,5 @@ def test_the_triton_row_says_how_kernels_run_here_and_why():
     (check,) = triton_checks()
     mode, _, reason = check.result.partition(": ")
     assert check.name == "Triton kernels" and reason
-    expected = {"compiled"} if torch.cuda.is_available() else {"interpreted", "unavailable"}
-    assert mode in expected, check.result
+    # triton ships with torch's Linux wheels, whose interpreter runs on any CPU: the chapter runs here either way.
+    assert mode == ("compiled" if torch.cuda.is_available() else "interpreted"), check.result

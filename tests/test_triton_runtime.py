@@ -11,8 +11,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from perflab import triton_runtime  # noqa: E402
 from perflab.triton_runtime import (  # noqa: E402 (after the skip: nothing here works without triton)
     compile_for_gpu,
+    course_triton_mode,
     scale_kernel,
     triton_mode,
 )
@@ -33,6 +35,14 @@ def _mode_in_child(interpret: str | None) -> str:
 def test_the_mode_follows_triton_interpret_and_the_device():
     assert _mode_in_child("1") == "interpreted"
     assert _mode_in_child(None) == ("compiled" if torch.cuda.is_available() else "unavailable")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the chapter compiles its kernels")
+def test_the_course_runs_kernels_interpreted_only_once_one_has_run_so(monkeypatch):
+    assert course_triton_mode().mode == "interpreted"
+    monkeypatch.setattr(triton_runtime, "_INTERPRETER_CHILD", "import sys; sys.exit('the interpreter is broken')")
+    broken = course_triton_mode()
+    assert broken.mode == "unavailable" and "the interpreter is broken" in broken.reason, broken
 
 
 def test_the_mode_says_why():

@@ -197,10 +197,10 @@ def compile_checks(device: torch.device) -> list[Check]:
 
 
 def triton_checks() -> list[Check]:
-    """Whether a Triton kernel would run compiled (a GPU), interpreted (TRITON_INTERPRET=1) or not at all."""
-    from perflab.triton_runtime import triton_mode
+    """Whether the Triton chapter's kernels run compiled (a GPU), interpreted (TRITON_INTERPRET=1) or not at all."""
+    from perflab.triton_runtime import course_triton_mode
 
-    mode = triton_mode()
+    mode = course_triton_mode()
     return [Check("compile", "Triton kernels", f"{mode.mode}: {mode.reason}")]
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "H100_SHARED_MEMORY_PER_BLOCK",
     "TritonMode",
     "compile_for_gpu",
+    "course_triton_mode",
     "scale_kernel",
     "triton_mode",
 ]
@@ -115,6 +116,38 @@ def triton_mode() -> TritonMode:
         )
     return TritonMode(
         "unavailable", "no GPU, and TRITON_INTERPRET is not 1: set it before decorating kernels to interpret them"
+    )
+
+
+# Run in a fresh process: the interpreter is chosen when a kernel is decorated, so it must be on before triton loads.
+_INTERPRETER_CHILD = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton
+from perflab.triton_runtime import scale_kernel
+x = torch.arange(10.0)
+out = torch.empty_like(x)
+triton.jit(scale_kernel)[(2,)](x, out, 10, 3.0, BLOCK=8)
+print(torch.equal(out, x * 3))
+"""
+
+
+def course_triton_mode() -> TritonMode:
+    """How the course's Triton chapter runs its kernels here: compiled on a GPU; elsewhere interpreted, as lecture 10
+    and lab 10 turn the interpreter on themselves, once a kernel has been seen to run under it in a fresh process."""
+    mode = triton_mode()
+    if mode.mode == "compiled" or (mode.mode == "unavailable" and "does not import" in mode.reason):
+        return mode
+    try:
+        child = subprocess.run([sys.executable, "-c", _INTERPRETER_CHILD], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return TritonMode("unavailable", "a kernel under TRITON_INTERPRET=1 did not finish in 120 s")
+    if child.stdout.strip() != "True":
+        return TritonMode("unavailable", f"a kernel under TRITON_INTERPRET=1 failed: {child.stderr.strip()[-300:]}")
+    return TritonMode(
+        "interpreted",
+        "no GPU: the Triton chapter sets TRITON_INTERPRET=1 and runs each program in turn on the CPU, in NumPy "
+        "(a kernel ran so here)",
     )
 
 
