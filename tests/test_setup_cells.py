@@ -80,3 +80,20 @@ def test_setup_picks_the_gpu_when_there_is_one(monkeypatch):
 )
 def test_readme_has_the_launch_badges(badge):
     assert badge in (REPO / "README.md").read_text()
+
+
+TRITON_CHAPTER = [path for path in NOTEBOOKS if path.name.startswith(("10_triton", "lab10_flash_triton"))]
+
+
+@pytest.mark.parametrize("path", TRITON_CHAPTER, ids=lambda path: str(path.relative_to(REPO)))
+def test_the_triton_chapter_says_where_to_run_it_where_triton_is_missing(monkeypatch, path):
+    """torch brings Triton on Linux only: on a Mac the chapter's second cell stops with where to run it instead."""
+    assert len(TRITON_CHAPTER) == 3, "lecture 10, lab 10's source and its release"
+    notebook = nbformat.read(path, as_version=4)
+    second = [cell.source for cell in notebook.cells if cell.cell_type == "code"][1]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
+    with pytest.raises(RuntimeError, match="Linux only: run it on Linux, in WSL, on Binder or on Colab"):
+        exec(second, {"device": perflab.pick_device()})

@@ -101,7 +101,7 @@ def triton_mode() -> TritonMode:
         import triton
         from triton import knobs
     except ImportError as error:
-        return TritonMode("unavailable", f"triton does not import ({error})")
+        return TritonMode("unavailable", f"triton does not import ({error}): torch installs it on Linux only")
     if knobs.runtime.interpret:
         return TritonMode(
             "interpreted",
