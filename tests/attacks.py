@@ -521,6 +521,19 @@ FAILS = {
         "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
     },
 }
+# Attacks on a measured lab that the grader refuses before it times anything ("not measured" on every measured
+# cell, which the round trip checks): their gradings need no machine to themselves, and run beside others.
+MEASURES_NOTHING = {
+    "lab11_capstone": (
+        "clock_patched",
+        "grade_replaced",
+        "inconsistent",
+        "memory_pipeline",
+        "popen_replaced",
+        "shadow_module",
+        "unbounded",
+    ),
+}
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
 NEEDS_SANDBOX = {"writes_grader", "leak", "dense"}
 ATTACKS = {

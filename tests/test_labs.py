@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from pathlib import Path
 import nbformat
 import perflab
 import pytest
-from attacks import ATTACKS, FAILS, NEEDS_SANDBOX, build_attack
+from attacks import ATTACKS, FAILS, MEASURES_NOTHING, NEEDS_SANDBOX, build_attack
 from nbgrader.api import Gradebook
 from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.course import LAB_NAMES, REPO, NbgraderCourse
@@ -147,16 +148,32 @@ _UNMEASURED_SECONDS = {
     "lab09_sharding": 45,
     "lab10_flash_triton": 35,
 }
+_MEASURING_NOTHING_SECONDS = 45  # MEASURES_NOTHING's gradings, which the second half takes before any lab
 
 
 def _two_halves(labs: list[str]) -> tuple[list[str], list[str]]:
-    """``labs`` in two lists of about equal grading time: the longest first, each to the shorter list."""
-    halves, totals = ([], []), [0, 0]
+    """``labs`` in two lists of about equal grading time, the second also grading MEASURES_NOTHING's attacks: the
+    longest first, each to the shorter list."""
+    halves, totals = ([], []), [0, _MEASURING_NOTHING_SECONDS]
     for lab in sorted(labs, key=lambda lab: -_UNMEASURED_SECONDS.get(lab, 60)):
         shorter = totals.index(min(totals))
         halves[shorter].append(lab)
         totals[shorter] += _UNMEASURED_SECONDS.get(lab, 60)
     return halves
+
+
+def _measuring_nothing() -> set[tuple[str, str]]:
+    """The (lab, student) submissions of MEASURES_NOTHING's attacks handed in here."""
+    return {
+        (lab, f"attack_{name}") for lab, names in MEASURES_NOTHING.items() for name in names if name in _attacks(lab)
+    }
+
+
+def _keep_only(course: NbgraderCourse, graded_here) -> None:
+    """Remove every submission of ``course`` but those for which ``graded_here(lab, student)``."""
+    for handed_in in sorted((course.root / "submitted").glob("*/*")):
+        if not graded_here(handed_in.name, handed_in.parent.name):
+            shutil.rmtree(handed_in)
 
 
 def _autograde_each(course: NbgraderCourse, labs: list[str]) -> list[str]:
@@ -182,8 +199,9 @@ def graded_course(released_course, tmp_path_factory):
     attack) and `export`.
 
     The measured labs are graded one after another, each with the machine to itself (as `perflab grade` gives
-    it). The others are graded two at a time, as `perflab grade` on two workers would: half of them in a copy
-    of the course, merged back as its merge does. Two autogrades on one gradebook would wait on each other."""
+    it), but for MEASURES_NOTHING's attacks. The others are graded two at a time, as `perflab grade` on two
+    workers would: half of them in a copy of the course, merged back as its merge does. Two autogrades on one
+    gradebook would wait on each other."""
     folder = tmp_path_factory.mktemp("graded")
     course = released_course.copy_to(folder)
     for lab in LAB_NAMES:
@@ -192,18 +210,22 @@ def graded_course(released_course, tmp_path_factory):
         for name in _attacks(lab):
             course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
     beside = course.copy_to(tmp_path_factory.mktemp("graded-beside"))
+    here, there = _two_halves([lab for lab in LAB_NAMES if lab not in MEASURED_CELLS])
+    measuring_nothing = _measuring_nothing()
+    there_too = sorted({lab for lab, _ in measuring_nothing})
+    _keep_only(course, lambda lab, student: lab not in there and (lab, student) not in measuring_nothing)
+    _keep_only(beside, lambda lab, student: lab in there or (lab, student) in measuring_nothing)
     before = _source_digests()
     gradebook_mode = (course.root / "gradebook.db").stat().st_mode
     seconds = {}
     for lab in LAB_NAMES:
         if lab in MEASURED_CELLS:
             seconds.update(_grading_seconds(course.run("autograde", lab, "--force", *_TIMESTAMPED_LOG, timeout=1800)))
-    here, there = _two_halves([lab for lab in LAB_NAMES if lab not in MEASURED_CELLS])
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for logs in pool.map(_autograde_each, (course, beside), (here, there)):
+        for logs in pool.map(_autograde_each, (course, beside), (here, there_too + there)):
             for log in logs:
                 seconds.update(_grading_seconds(log))
-    for lab in there:
+    for lab in there_too + there:
         _merge_gradings(beside, course, lab)
     for _ in range(_REGRADES - 1):
         for lab, student in _not_decided(course):
@@ -284,6 +306,11 @@ def test_grading_round_trip(graded_course, lab):
             assert "Re-measured by the course" in feedback.read_text(), "the feedback shows what the grader measured"
     for cell, text in _measured_outputs(course, "solved", lab).items():
         assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"
+    for student in sorted(student for graded_lab, student in _measuring_nothing() if graded_lab == lab):
+        measured = {
+            cell: text for cell, text in _measured_outputs(course, student, lab).items() if "not measured" not in text
+        }
+        assert not measured, f"{student} was graded beside others, but the grader measured {measured}"
     if lab == "lab11_capstone":
         too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
