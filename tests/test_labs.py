@@ -356,3 +356,21 @@ def test_no_answer_reads_the_course_or_leads_out_of_its_folder(graded_course):
                 mode = os.lstat(os.path.join(root, name)).st_mode
                 assert stat.S_ISDIR(mode) or stat.S_ISREG(mode), f"{root}/{name} is a link or special file"
     assert (course.root / "gradebook.db").stat().st_mode == gradebook_mode, "grading changed the gradebook's mode"
+
+
+@pytest.mark.slow
+def test_a_link_handed_in_beside_the_notebook_brings_nothing_of_the_course(released_course, tmp_path):
+    """nbgrader copies a hand-in's files following its links: what a link to the gradebook became is removed."""
+    course, lab = released_course.copy_to(tmp_path), "lab01_timing"
+    course.submit("linker", lab, files_from=course.root / "labs" / lab)
+    (course.root / "submitted" / "linker" / lab / "notes.db").symlink_to("../../../gradebook.db")
+    course.run("autograde", lab, "--force")
+    course.run("generate_feedback", lab, "--student", "linker", "--force")
+    handed_back = [
+        path
+        for kind in ("autograded", "feedback")
+        for path in (course.root / kind / "linker" / lab).rglob("*")
+        if path.is_file() or path.is_symlink()
+    ]
+    assert any(path.suffix == ".html" for path in handed_back), "no feedback was generated"
+    assert not [path for path in handed_back if path.name == "notes.db" or b"SQLite format 3" in path.read_bytes()]

@@ -89,7 +89,8 @@ class SandboxedExecute(Execute):
 
     def preprocess(self, nb, resources=None, km=None):
         folder = (resources or {}).get("metadata", {}).get("path") or os.getcwd()
-        self._remove_what_leads_out(folder)  # a hand-in may hold links too
+        self._remove_what_leads_out(folder)
+        self._remove_followed_links(resources, folder)
         # Each cell has its limit (timeout); a notebook of many cells, each just under it, has this one.
         self._deadline = time.monotonic() + self.notebook_timeout
         self.timeout_func = lambda cell: max(1, min(self.timeout, int(self._deadline - time.monotonic())))
@@ -112,19 +113,36 @@ class SandboxedExecute(Execute):
         if removed:
             self.log.warning("Removed from %s what nbgrader would follow out of it: %s", folder, "; ".join(removed))
 
+    def _remove_followed_links(self, resources, folder: str) -> None:
+        """nbgrader copied the hand-in's files into ``folder`` following its links: a link to the gradebook arrived
+        as a copy of the gradebook. Remove what every link, hard link or special file of the hand-in became."""
+        names = (resources or {}).get("nbgrader", {})
+        if "student" not in names:
+            return
+        coursedir = CourseDirectory(config=self.config)
+        handed_in = coursedir.format_path(coursedir.submitted_directory, names["student"], names["assignment"])
+        removed = []
+        for relative, what in what_leads_out(handed_in):
+            copied = os.path.join(folder, relative)
+            if os.path.isfile(copied) and not os.path.islink(copied):
+                os.unlink(copied)
+                removed.append(f"{relative}: {what}")
+        if removed:
+            self.log.warning("Removed what nbgrader copied through the hand-in's links: %s", "; ".join(removed))
 
-def remove_what_leads_out(folder: str) -> list[str]:
-    """Remove every symlink, hard-linked file, FIFO, socket and device file under ``folder``; say what each was.
+
+def what_leads_out(folder: str) -> list[tuple[str, str]]:
+    """Every symlink, hard-linked file, FIFO, socket and device file under ``folder``, relative to it, and what it is.
 
     >>> import os, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> os.symlink("../../../gradebook.db", os.path.join(folder, "notes.txt"))
     >>> os.mkfifo(os.path.join(folder, "pipe"))
-    >>> remove_what_leads_out(folder), os.listdir(folder)
-    (['notes.txt: a symlink to ../../../gradebook.db', 'pipe: a FIFO'], [])
+    >>> what_leads_out(folder)
+    [('notes.txt', 'a symlink to ../../../gradebook.db'), ('pipe', 'a FIFO')]
     """
-    removed = []
-    for root, folders, files in os.walk(folder):  # never follows a link to a folder: those are listed, then removed
+    found = []
+    for root, folders, files in os.walk(folder):  # never follows a link to a folder: those are listed, not entered
         for name in sorted(folders + files):
             path = os.path.join(root, name)
             info = os.lstat(path)
@@ -138,10 +156,25 @@ def remove_what_leads_out(folder: str) -> list[str]:
                 else _FILE_KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
             )
             if what:
-                os.unlink(path)
-                removed.append(f"{os.path.relpath(path, folder)}: {what}")
-        folders[:] = [name for name in folders if os.path.isdir(os.path.join(root, name))]
-    return removed
+                found.append((os.path.relpath(path, folder), what))
+        folders[:] = [name for name in folders if not os.path.islink(os.path.join(root, name))]
+    return found
+
+
+def remove_what_leads_out(folder: str) -> list[str]:
+    """Remove what :func:`what_leads_out` finds under ``folder``; say what each was.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> os.symlink("../../../gradebook.db", os.path.join(folder, "notes.txt"))
+    >>> os.mkfifo(os.path.join(folder, "pipe"))
+    >>> remove_what_leads_out(folder), os.listdir(folder)
+    (['notes.txt: a symlink to ../../../gradebook.db', 'pipe: a FIFO'], [])
+    """
+    found = what_leads_out(folder)
+    for relative, _ in found:
+        os.unlink(os.path.join(folder, relative))
+    return [f"{relative}: {what}" for relative, what in found]
 
 
 _FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
