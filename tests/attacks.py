@@ -1,6 +1,6 @@
 """Submissions that try to score the measured points without earning them, as a determined learner would.
 
-    >>> notebook, files = build_attack("lab11_capstone", "grade_replaced")
+    >>> notebook, files = build_attack("lab12_capstone", "grade_replaced")
 
 Each attack starts from the reference solution and changes what a learner controls: the answer
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
@@ -269,7 +269,7 @@ def compiled_training_step(model, optimizer):
     },
 }
 
-# Lab 11: every configuration the naive one (none of them an answer) unless the attack says otherwise.
+# Lab 12: every configuration the naive one (none of them an answer) unless the attack says otherwise.
 NAIVE_CONFIGS = """
 data_config = replace(NAIVE, name="decode once, no syncs")
 batch_config = replace(NAIVE, name="batch 64")
@@ -279,7 +279,7 @@ final_config = replace(NAIVE, name="final")
 KEEP_AMP = False
 """
 TOO_SLOW = 'final_config = replace(NAIVE, name="final", log_every=100, python_metrics=False)\n'
-LAB11 = {
+LAB12 = {
     "grade_replaced": FAKE_PASS
     + """
 import perflab.capstone
@@ -524,7 +524,7 @@ FAILS = {
 # Attacks on a measured lab that the grader refuses before it times anything ("not measured" on every measured
 # cell, which the round trip checks): their gradings need no machine to themselves, and run beside others.
 MEASURES_NOTHING = {
-    "lab11_capstone": (
+    "lab12_capstone": (
         "clock_patched",
         "grade_replaced",
         "inconsistent",
@@ -543,7 +543,7 @@ ATTACKS = {
     "lab06_compile": LAB06,
     "lab09_sharding": LAB09,
     "lab10_flash_triton": LAB10,
-    "lab11_capstone": LAB11,
+    "lab12_capstone": LAB12,
 }
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
@@ -568,10 +568,10 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
         ):
             continue
         kept.append(cell)
-        if _grade_id(cell) == "setup" and lab == "lab11_capstone":
+        if _grade_id(cell) == "setup" and lab == "lab12_capstone":
             kept.append(new_code_cell(NAIVE_CONFIGS + attack))
     notebook.cells = kept
-    if lab != "lab11_capstone":
+    if lab != "lab12_capstone":
         for grade_id, source in attack.items():
             _set(notebook, grade_id, source)
         return notebook, {}

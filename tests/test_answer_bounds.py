@@ -91,7 +91,7 @@ def test_a_name_of_200_characters_is_kept_and_201_refused():
 
 
 def test_the_course_own_configurations_are_within_the_bounds():
-    notebook = nbformat.read(REPO / "solutions" / "lab11_capstone" / "lab11_capstone.ipynb", as_version=4)
+    notebook = nbformat.read(REPO / "solutions" / "lab12_capstone" / "lab12_capstone.ipynb", as_version=4)
     assignments = [
         line
         for cell in notebook.cells

@@ -59,7 +59,7 @@ def test_grader_takes_only_a_config():
 def test_a_patched_clock_and_grader_here_do_not_reach_the_graders_process(monkeypatch):
     """A clock that runs 5x slow makes the baseline look 5x faster here; the grader's process has its own.
 
-    What the grader measures under such a clock, it measures in lab 11's round trip (attack
+    What the grader measures under such a clock, it measures in lab 12's round trip (attack
     ``clock_patched`` in tests/attacks.py); here, that ``grade()`` decides in a fresh process that
     nothing patched in this one reaches.
     """
@@ -85,7 +85,7 @@ def test_a_patched_clock_and_grader_here_do_not_reach_the_graders_process(monkey
 
 def test_grading_cell_hands_over_the_config_and_nothing_else(capsys):
     """The lab's hidden grading cell, run on a notebook that types its speedup: only final_config reaches the grader."""
-    notebook = nbformat.read(REPO / "solutions" / "lab11_capstone" / "lab11_capstone.ipynb", as_version=4)
+    notebook = nbformat.read(REPO / "solutions" / "lab12_capstone" / "lab12_capstone.ipynb", as_version=4)
     grading_cell = next(
         cell.source for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "test_regrade"
     )

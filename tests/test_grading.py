@@ -157,7 +157,7 @@ def test_the_sandbox_starts_from_nothing_and_lets_write_only_its_folder(tmp_path
     """Nothing of a course is visible, this repository's included (a course with its .venv inside), even from a
     process started in the course with the course on sys.path (`python -m nbgrader` there)."""
     course = tmp_path / "course"
-    workdir = course / "autograded" / "ada" / "lab11_capstone"
+    workdir = course / "autograded" / "ada" / "lab12_capstone"
     workdir.mkdir(parents=True)
     (course / "solutions").mkdir()
     (course / "solutions" / "answers.txt").write_text("the reference answers")
@@ -285,7 +285,7 @@ def test_the_child_is_stopped_between_requests_and_ended_when_it_hangs():
 def test_the_grader_reports_the_reason_of_a_failing_job(tmp_path):
     """The session's own entry point, with a job whose answer could not be read: a refusal, not a crash."""
     job = {
-        "lab": "lab11_capstone",
+        "lab": "lab12_capstone",
         "cells": {"course": {}, "learner": {}},
         "cache_dir": str(tmp_path),
         "handed_in": {
@@ -374,7 +374,7 @@ def test_a_grader_that_fails_gives_grading_failed_never_a_fail(monkeypatch, scri
 
 
 def _measured_notebook(handed: dict):
-    """A lab 11 notebook whose test_regrade cell handed in ``handed``, as the kernel left it."""
+    """A lab 12 notebook whose test_regrade cell handed in ``handed``, as the kernel left it."""
     import nbformat
 
     printed = io.StringIO()
@@ -392,15 +392,15 @@ def test_only_a_measurement_is_kept_for_the_next_grading(tmp_path, monkeypatch, 
     from perflab.grading import nbgrader as grading
     from traitlets.config import Config
 
-    (tmp_path / "solutions" / "lab11_capstone").mkdir(parents=True)
-    source = REPO / "solutions" / "lab11_capstone" / "lab11_capstone.ipynb"
-    (tmp_path / "solutions" / "lab11_capstone" / "lab11_capstone.ipynb").write_bytes(source.read_bytes())
+    (tmp_path / "solutions" / "lab12_capstone").mkdir(parents=True)
+    source = REPO / "solutions" / "lab12_capstone" / "lab12_capstone.ipynb"
+    (tmp_path / "solutions" / "lab12_capstone" / "lab12_capstone.ipynb").write_bytes(source.read_bytes())
     verdict = Verdict(status, "measured", ("why",))
     runs = []
     monkeypatch.setattr(
         grading.TrustedMeasurement, "_run", lambda self, job: runs.append(job) or {"test_regrade": verdict}
     )
-    resources = {"nbgrader": {"assignment": "lab11_capstone", "notebook": "lab11_capstone", "student": "ada"}}
+    resources = {"nbgrader": {"assignment": "lab12_capstone", "notebook": "lab12_capstone", "student": "ada"}}
     measurement = grading.TrustedMeasurement(
         config=Config({"CourseDirectory": {"root": str(tmp_path), "source_directory": "solutions"}})
     )

@@ -311,7 +311,7 @@ def test_grading_round_trip(graded_course, lab):
             cell: text for cell, text in _measured_outputs(course, student, lab).items() if "not measured" not in text
         }
         assert not measured, f"{student} was graded beside others, but the grader measured {measured}"
-    if lab == "lab11_capstone":
+    if lab == "lab12_capstone":
         too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]

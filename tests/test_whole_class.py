@@ -223,7 +223,7 @@ def _trimmed_release(course: NbgraderCourse, lab: str) -> nbformat.NotebookNode:
 
 @pytest.mark.slow
 def test_measured_gradings_never_share_a_machine(released_course, scheduler, tmp_path):
-    lab = "lab11_capstone"
+    lab = "lab12_capstone"
     course = released_course.copy_to(tmp_path)
     course.submit_notebook("first", lab, _trimmed_release(course, lab), {})
     # Its answers carry 100,000 characters into the grader's verdicts: its grading ends, and so does the other one.
@@ -315,7 +315,7 @@ def _graded_without_a_kernel(submission, now: float) -> Graded:
     return Graded(
         submission.student,
         "graded",
-        files={"lab11_capstone.ipynb": (nbformat.writes(notebook).encode(), 0o444)},
+        files={"lab12_capstone.ipynb": (nbformat.writes(notebook).encode(), 0o444)},
         started=now,
         ended=now,
         worker="stub",
@@ -330,7 +330,7 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
 
     course = released_course.copy_to(tmp_path)
     for student in ("steady", "noisy", "crashing"):
-        course.submit(student, "lab11_capstone", course.root / "labs" / "lab11_capstone")
+        course.submit(student, "lab12_capstone", course.root / "labs" / "lab12_capstone")
 
     def noisy_for_one(bundle, submission, **_):
         now = time.time()
@@ -353,7 +353,7 @@ def test_an_inconclusive_measurement_is_graded_again_and_never_scored(released_c
         n_workers=2, processes=False, dashboard_address=":0", resources={MEASURED_RESOURCE: 1}
     ) as cluster:
         result = grade_class(
-            course.root, "lab11_capstone", scheduler=cluster.scheduler_address, attempts=3, progress=False
+            course.root, "lab12_capstone", scheduler=cluster.scheduler_address, attempts=3, progress=False
         )
 
     assert [r["student"] for r in _log(course)].count("steady") == 1

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="grader: instead, N whole `nbgrader autograde` runs of lab 11's reference solution",
+        help="grader: instead, N whole `nbgrader autograde` runs of lab 12's reference solution",
     )
     bench_parser.add_argument("--submissions", type=int, default=24, help="grading: submissions handed in (default 24)")
     bench_parser.add_argument("--workers", type=int, default=2, help="grading: Dask workers (default 2)")

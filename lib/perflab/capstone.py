@@ -19,7 +19,7 @@ Both time each configuration on one-epoch trials in alternating order after a wa
 so that whatever drifts during the run (clock boost, a busy neighbour) hits every side alike,
 and both take accuracy from full runs of the course's :class:`~perflab.train.Workload`.
 
-Used in: lab 11.
+Used in: lab 12.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ operator classes go by name, which is a heuristic: a matmul on tiny matrices is 
 overhead-bound in truth. So the diagnosis lists the operators behind each share: judge them too.
 ``perflab.planted`` holds one short run of each kind, to see (and test) the diagnosis on.
 
-Used in: lecture 02 (profiling), lab 02, lab 11.
+Used in: lecture 02 (profiling), lab 02, lab 12.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ so that its table can sort by memory: ``.table(sort_by="self_cpu_memory_usage")`
 ``perflab.train`` wraps every phase of a step (data_wait, h2d, fwd, bwd, opt, log) in a
 ``record_function`` region, so the trace carries them by name next to every operator.
 
-Used in: lecture 02 (profiling), lab 11.
+Used in: lecture 02 (profiling), lab 12.
 """
 
 from __future__ import annotations

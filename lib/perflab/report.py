@@ -19,7 +19,7 @@
 
 The first result is the baseline; each later one is a change on the way to the last.
 
-Used in: lab 11.
+Used in: lab 12.
 """
 
 from __future__ import annotations

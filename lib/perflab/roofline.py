@@ -32,7 +32,7 @@ its outputs once each, views skipped, a broadcast dimension once. For one operat
 it must move; summed over a training step, the traffic of eager execution when nothing stays in
 cache between operators (caches lower it; fusion, lecture 06, removes whole terms).
 
-Used in: lecture 01 (gpu basics), lecture 10 (triton), lab 11.
+Used in: lecture 01 (gpu basics), lecture 10 (triton), lab 12.
 """
 
 from __future__ import annotations

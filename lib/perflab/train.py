@@ -17,7 +17,7 @@ laptop's CPU); the tiny one above trains one epoch of 60 images, in a fraction o
 What is trained (data, model, number of epochs, seed) is a :class:`Workload`; *how* it is
 trained is a :class:`TrainConfig`. Changing the config may change the speed, never the task.
 
-Used in: lecture 01 (gpu basics), lecture 02 (profiling), lab 11.
+Used in: lecture 01 (gpu basics), lecture 02 (profiling), lab 12.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ anywhere else, only ever reaches the grader as data: configurations handed in
 (:mod:`perflab.grading.answers`) or the source of the learner's answer cells, run in a sandboxed
 child that the grader times from outside (:mod:`perflab.grading.child`).
 
-Used in: lab 11.
+Used in: lab 12.
 """
 
 from perflab.grading.answers import hand_in
@@ -26,7 +26,7 @@ MEASURED_CELLS = {
     "lab02_profiling": ("test_preprocess_speed",),
     "lab03_data_loading": ("test_ceiling",),
     "lab06_compile": ("test_compiled_speed",),
-    "lab11_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
+    "lab12_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
 }
 # The graded cells decided outside the kernel on results alone, timing nothing: any machine may grade them, beside
 # other gradings. Lab 10's kernel cannot be checked inside a kernel whose Python the learner controls.

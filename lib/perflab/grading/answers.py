@@ -35,7 +35,7 @@ configuration that decide how many processes, how much memory and how long a run
 (``FIELD_RANGES``, also what :func:`perflab.capstone.refusal` tells the learner). Whatever an
 answer holds, reading it either succeeds or raises :class:`AnswerError`, that learner's failure.
 
-Used in: lab 11.
+Used in: lab 12.
 """
 
 from __future__ import annotations

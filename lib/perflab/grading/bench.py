@@ -2,7 +2,7 @@
 ``python -m perflab bench grading``: how much faster does a class grade on Dask than in one serial autograde?
 
     $ python -m perflab bench grader --gradings 5 --hogs 2           # quiet, then beside two busy processes
-    $ python -m perflab bench grader --autograde 5                   # five real `nbgrader autograde` runs of lab 11
+    $ python -m perflab bench grader --autograde 5                   # five real `nbgrader autograde` runs of lab 12
     $ python -m perflab bench grading --submissions 24 --workers 2   # serial autograde vs perflab.grading.whole_class
 
 Grades each submission several times, each in a fresh process as during autograde, first on the
@@ -10,7 +10,7 @@ quiet machine and then beside CPU hogs (busy processes that are not the grader's
 verdict with its speedup, interval and the load it saw. A grader that deserves trust passes the
 reference every time when quiet, and beside the hogs gives either the quiet verdict or
 "inconclusive", never a pass to a submission that measures under 2x quiet. ``--autograde`` times
-whole `nbgrader autograde` runs of lab 11's reference solution, from a copy of the course in the
+whole `nbgrader autograde` runs of lab 12's reference solution, from a copy of the course in the
 current folder, with no verdict reused.
 
 ``grading_benchmark`` hands in N submissions of an unmeasured lab (the reference solution and the
@@ -92,12 +92,12 @@ def noise_benchmark(gradings: int, hogs: int) -> None:
 
 
 def autograde_benchmark(runs: int, course: Path = Path.cwd()) -> None:
-    """Whole autogrades of lab 11's reference solution, from a copy of the course, each verdict measured afresh."""
+    """Whole autogrades of lab 12's reference solution, from a copy of the course, each verdict measured afresh."""
     import nbformat
 
     from perflab.grading.course import NbgraderCourse
 
-    lab = "lab11_capstone"
+    lab = "lab12_capstone"
     folder = Path(tempfile.mkdtemp(prefix="perflab-bench-"))
     copy = NbgraderCourse.copy_of_repo(folder, course=course)
     copy.release(lab)

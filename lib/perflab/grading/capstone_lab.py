@@ -1,4 +1,4 @@
-"""Lab 11's measured cells, decided from the configurations the notebook handed in, on the course's workload.
+"""Lab 12's measured cells, decided from the configurations the notebook handed in, on the course's workload.
 
     >>> from dataclasses import asdict
     >>> import torch
@@ -199,7 +199,7 @@ def grade_capstone_lab(
     cache_dir: str | None = None,
     rounds: int = TRIAL_ROUNDS,
 ) -> dict[str, Verdict]:
-    """One verdict per graded cell of lab 11, from ``handed[cell]``: the answers that cell handed in.
+    """One verdict per graded cell of lab 12, from ``handed[cell]``: the answers that cell handed in.
 
     Every answer is checked, alone and against the other cells' answers, before anything is
     measured. A cell whose grading fails for any other reason is "not scored"; the other cells

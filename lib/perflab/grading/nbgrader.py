@@ -241,7 +241,7 @@ def _machine() -> list:
 
 def _verdict_key(job: dict, grade_id: str) -> str:
     """The same answer to the same cell of the same lab, graded by the same code and software on the same machine."""
-    answer = _without_names(job["handed_in"][grade_id]) if job["lab"] == "lab11_capstone" else job["cells"]["learner"]
+    answer = _without_names(job["handed_in"][grade_id]) if job["lab"] == "lab12_capstone" else job["cells"]["learner"]
     return hashlib.sha256(
         json.dumps([job["lab"], grade_id, answer, job["cells"]["course"], _machine()], sort_keys=True).encode()
     ).hexdigest()[:24]

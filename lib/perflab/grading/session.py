@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 def _grade_job(job: dict, log) -> dict[str, Verdict]:
     lab = job["lab"]
-    if lab == "lab11_capstone":
+    if lab == "lab12_capstone":
         from perflab.device import pick_device
         from perflab.grading.capstone_lab import grade_capstone_lab
 

@@ -1,7 +1,7 @@
 """Grade a whole class in parallel on Dask: every submission of a lab, merged into the course's one gradebook.
 
     $ python -m perflab grade lab01_timing --workers 2                  # a Dask cluster on this machine
-    $ python -m perflab grade lab11_capstone --scheduler tcp://grader-0:8786   # an existing cluster
+    $ python -m perflab grade lab12_capstone --scheduler tcp://grader-0:8786   # an existing cluster
     >>> from perflab.grading.whole_class import grade_class
     >>> grade_class("/no/such/course", "lab01_timing")
     Traceback (most recent call last):
