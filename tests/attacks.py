@@ -521,17 +521,22 @@ FAILS = {
         "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
     },
 }
-# Attacks on a measured lab that the grader refuses before it times anything ("not measured" on every measured
-# cell, which the round trip checks): their gradings need no machine to themselves, and run beside others.
+# The submissions of a measured lab that the grader refuses before it times anything ("not measured" on every
+# measured cell, which the round trip checks): the untouched release, whose answers raise NotImplementedError, and
+# these attacks. Their gradings need no machine to themselves, and run beside others.
 MEASURES_NOTHING = {
+    "lab02_profiling": ("untouched", "attack_huge_message"),
+    "lab03_data_loading": ("untouched", "attack_replayed_epochs"),
+    "lab06_compile": ("untouched", "attack_lazy_step"),
     "lab12_capstone": (
-        "clock_patched",
-        "grade_replaced",
-        "inconsistent",
-        "memory_pipeline",
-        "popen_replaced",
-        "shadow_module",
-        "unbounded",
+        "untouched",
+        "attack_clock_patched",
+        "attack_grade_replaced",
+        "attack_inconsistent",
+        "attack_memory_pipeline",
+        "attack_popen_replaced",
+        "attack_shadow_module",
+        "attack_unbounded",
     ),
 }
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).

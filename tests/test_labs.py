@@ -148,11 +148,11 @@ _UNMEASURED_SECONDS = {
     "lab09_sharding": 45,
     "lab10_flash_triton": 35,
 }
-_MEASURING_NOTHING_SECONDS = 45  # MEASURES_NOTHING's gradings, which the second half takes before any lab
+_MEASURING_NOTHING_SECONDS = 120  # MEASURES_NOTHING's gradings, which the second half takes before any lab
 
 
 def _two_halves(labs: list[str]) -> tuple[list[str], list[str]]:
-    """``labs`` in two lists of about equal grading time, the second also grading MEASURES_NOTHING's attacks: the
+    """``labs`` in two lists of about equal grading time, the second also grading MEASURES_NOTHING's submissions: the
     longest first, each to the shorter list."""
     halves, totals = ([], []), [0, _MEASURING_NOTHING_SECONDS]
     for lab in sorted(labs, key=lambda lab: -_UNMEASURED_SECONDS.get(lab, 60)):
@@ -163,9 +163,13 @@ def _two_halves(labs: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _measuring_nothing() -> set[tuple[str, str]]:
-    """The (lab, student) submissions of MEASURES_NOTHING's attacks handed in here."""
+    """The (lab, student) submissions of MEASURES_NOTHING handed in here."""
+    handed_in = {lab: {"untouched", *(f"attack_{name}" for name in _attacks(lab))} for lab in MEASURES_NOTHING}
     return {
-        (lab, f"attack_{name}") for lab, names in MEASURES_NOTHING.items() for name in names if name in _attacks(lab)
+        (lab, student)
+        for lab, students in MEASURES_NOTHING.items()
+        for student in students
+        if student in handed_in[lab]
     }
 
 
@@ -199,7 +203,7 @@ def graded_course(released_course, tmp_path_factory):
     attack) and `export`.
 
     The measured labs are graded one after another, each with the machine to itself (as `perflab grade` gives
-    it), but for MEASURES_NOTHING's attacks. The others are graded two at a time, as `perflab grade` on two
+    it), but for MEASURES_NOTHING's submissions. The others are graded two at a time, as `perflab grade` on two
     workers would: half of them in a copy of the course, merged back as its merge does. Two autogrades on one
     gradebook would wait on each other."""
     folder = tmp_path_factory.mktemp("graded")
