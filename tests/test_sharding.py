@@ -202,3 +202,19 @@ def test_a_window_must_be_in_the_profile_once(world_of_one):
         dist.all_reduce(torch.ones(4))
     with pytest.raises(ValueError, match="expected one region named 'step'"):
         profile_collectives(profiled, "step")
+
+
+def test_dtensors_functional_collectives_are_counted_too(world_of_one):
+    import torch.distributed._functional_collectives as funcol
+
+    big, small = torch.ones(300), torch.ones(20)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled, record_function("step"):
+        funcol.all_reduce(big, "sum", dist.group.WORLD).wait()
+        funcol.all_gather_single(small, 0, dist.group.WORLD).wait()
+        funcol.reduce_scatter_single(big, "sum", 0, dist.group.WORLD).wait()
+    found = {c.kind: (c.count, c.payload, c.ran_as) for c in profile_collectives(profiled, "step").collectives}
+    assert found == {
+        "all-reduce": (1, 300 * 4, "gloo:all_reduce"),
+        "all-gather": (1, 20 * 4, "gloo:all_gather"),  # the output: the input times the group's size, here 1
+        "reduce-scatter": (1, 300 * 4, "gloo:all_reduce"),
+    }

@@ -24,7 +24,7 @@ T4) has no entry: PyTorch emulates it there, far below any tensor-core figure. T
 is the same sheet's; a model whose variants differ in it (the A100's 40 and 80 GB) has it only where
 the name says which.
 
-Used in: lecture 01 (gpu basics), lecture 04 (mixed precision), and by perflab.training_mfu: ``python -m perflab bench mfu``.
+Used in: lecture 01 (gpu basics), lecture 04 (mixed precision), lecture 11 (tensor pipeline parallel), and by perflab.training_mfu: ``python -m perflab bench mfu``.
 """
 
 from __future__ import annotations

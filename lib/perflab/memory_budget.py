@@ -37,6 +37,7 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "TrainingMemory",
+    "check_workload",
     "estimate_over_measured",
     "estimate_training_memory",
     "measure_training_memory",
@@ -127,7 +128,8 @@ def estimate_over_measured(estimate: int, measured: int) -> float:
     return estimate / measured
 
 
-def _check_workload(config: GPTConfig, batch_size: int, seq_len: int, precision: str, optimizer: str) -> None:
+def check_workload(config: GPTConfig, batch_size: int, seq_len: int, precision: str, optimizer: str) -> None:
+    """Raise ValueError for a workload the estimates do not cover: sizes, precision, optimizer."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -154,7 +156,7 @@ def estimate_training_memory(
     >>> estimate_training_memory(GPTConfig(), batch_size=32, seq_len=128, precision="bfloat16").activations
     85099524
     """
-    _check_workload(config, batch_size, seq_len, precision, optimizer)
+    check_workload(config, batch_size, seq_len, precision, optimizer)
     checkpointing = config.checkpoint_blocks if checkpointing is None else checkpointing
     C, L = config.n_embd, config.n_layer
     # Per block: two LayerNorms (2C each), qkv (3C^2 + 3C), proj (C^2 + C), up (4C^2 + 4C),
@@ -287,7 +289,7 @@ def measure_training_memory(
     >>> measure_training_memory(GPTConfig(n_layer=2), batch_size=4, seq_len=64, optimizer="sgd")
     TrainingMemory(measured on cpu, torch ...: 8.31 MB = parameters 1.78 + gradients 1.78 + optimizer state 0.00 + activations 4.74)
     """
-    _check_workload(config, batch_size, seq_len, precision, optimizer)
+    check_workload(config, batch_size, seq_len, precision, optimizer)
     checkpointing = config.checkpoint_blocks if checkpointing is None else checkpointing
     device = torch.device(device)
     model = GPT(replace(config, checkpoint_blocks=checkpointing)).to(device).train()

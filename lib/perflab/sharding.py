@@ -35,7 +35,7 @@ DDP, which all-reduces and then broadcasts each updated parameter from the rank 
 gloo rank, :class:`SentBytes` what the processes really sent, and :func:`peak_parts` the parts of
 a peak off PyTorch's memory trackers.
 
-Used in: lecture 07 (ddp), lecture 09 (sharding).
+Used in: lecture 07 (ddp), lecture 09 (sharding), lecture 11 (tensor pipeline parallel).
 """
 
 from __future__ import annotations
@@ -269,7 +269,12 @@ _ISSUED = {
     "c10d::broadcast_": "broadcast",
     "c10d::_allgather_base_": "all-gather",
     "c10d::_reduce_scatter_base_": "reduce-scatter",
+    # DTensor's collectives (torch.distributed._functional_collectives), which issue c10d's inside them
+    "_c10d_functional::all_reduce": "all-reduce",
+    "_c10d_functional::all_gather_into_tensor": "all-gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce-scatter",
 }
+_FUNCTIONAL = "_c10d_functional::"
 _RUN_BY_GLOO = {"gloo:all_reduce": "all-reduce", "gloo:broadcast": "broadcast", "gloo:all_gather": "all-gather"}
 
 
@@ -416,10 +421,12 @@ def _collectives(events: list) -> tuple[Collective, ...]:
             continue  # an operator dispatched through a Python mode (a memory tracker's) is recorded again inside
         outer_end = event.time_range.end
         issued[kind] += 1
-        if kind == "all-gather":  # shapes and dtypes: output, input, ...
-            payload[kind] += _bytes(event.input_shapes[0], event.input_dtypes[0])
-        elif kind == "reduce-scatter":
-            size = _bytes(event.input_shapes[1], event.input_dtypes[1])
+        functional = event.name.startswith(_FUNCTIONAL)
+        if kind == "all-gather":  # c10d's shapes: output, input; a functional one's: input, group size
+            size = _bytes(event.input_shapes[0], event.input_dtypes[0])
+            payload[kind] += size * event.concrete_inputs[1] if functional else size
+        elif kind == "reduce-scatter":  # c10d's: output, input; a functional one's: input
+            size = _bytes(event.input_shapes[0 if functional else 1], event.input_dtypes[0 if functional else 1])
             payload[kind] += size
             scatters[size] += 1
     ran, seconds, ran_as = Counter(), Counter(), {}

@@ -21,7 +21,7 @@ queries, keys and values that returns ``(B, H, T, D)``:
 with one can run with another. Each block runs inside ``record_function("gpt.block{i}")``, a
 named region in profiler traces (eager mode only: ``torch.compile`` drops them).
 
-Used in: lectures 01, 04, 05, 07, 08 and 09, labs 05 and 08.
+Used in: lectures 01, 04, 05, 07, 08, 09 and 11, labs 05 and 08.
 """
 
 from __future__ import annotations
@@ -167,10 +167,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, channels = x.shape
-        heads = self.config.n_head
-        # (B, T, 3C) -> three (B, H, T, C/H) tensors
-        q, k, v = self.qkv(x).view(batch, length, 3, heads, channels // heads).permute(2, 0, 3, 1, 4)
+        batch, length, _ = x.shape
+        head_dim = self.config.n_embd // self.config.n_head
+        # (B, T, 3C) -> three (B, H, T, C/H) tensors. The number of heads is read off qkv's output, not the
+        # config: under tensor parallelism qkv computes only this rank's heads (lecture 11).
+        q, k, v = self.qkv(x).view(batch, length, 3, -1, head_dim).permute(2, 0, 3, 1, 4)
         # Dropout is applied to the block's output, not to the attention probabilities, so the
         # three implementations compute the same function and can be swapped freely.
         if self.config.attention == "naive":
@@ -179,7 +180,7 @@ class CausalSelfAttention(nn.Module):
             y = sdpa_attention(q, k, v, causal=True)
         else:
             y = tiled_attention(q, k, v, causal=True, tile_size=self.config.tile_size)
-        y = y.transpose(1, 2).reshape(batch, length, channels)
+        y = y.transpose(1, 2).reshape(batch, length, -1)  # (B, T, C), or this rank's C / N channels
         return self.dropout(self.proj(y))
 
 

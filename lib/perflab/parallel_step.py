@@ -1,0 +1,318 @@
+"""What one GPU holds and sends per training step of the course GPT under data, ZeRO, tensor and pipeline parallelism.
+
+    >>> from perflab.models import GPTConfig
+    >>> from perflab.parallel_step import Layout, estimate_layout
+    >>> config = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=128)
+    >>> tp = estimate_layout(config, Layout(tp=2, sequence_parallel=True), batch_size=4, seq_len=32)
+    >>> tp
+    LayoutEstimate(TP 2 + SP on 2 GPUs, estimate per GPU: parameters 0.88 + gradients 0.88 + optimizer state 1.76 + activations 1.42 MB; bus bytes per step: tp 0.71 MB)
+    >>> tp.count("all-gather", phase="forward"), tp.count("reduce-scatter", phase="backward")   # 2 per block, +1
+    (5, 5)
+
+Tensor parallelism follows lecture 11's plan: the token embedding (tied to the head) split by
+vocabulary rows, ``qkv`` and ``up`` by output columns, ``proj`` and ``down`` by input rows; the
+LayerNorms, the row-parallel biases and the position embedding whole on every rank. Activations are
+``perflab.memory_budget``'s (float32 or bfloat16 autocast, ``sdpa``, no dropout), divided as
+Korthikanti et al. (2022, arXiv:2205.05198, section 4.2) divide them: attention and the MLP's hidden
+layer by tp, the LayerNorms' inputs too under sequence parallelism; PyTorch keeps the gathered inputs
+of ``qkv`` and ``up`` whole. ``activations`` is what forward leaves alive, as ``MemTracker`` counts it
+after forward (the kept tensors, the logits, the loss); the peak adds every part. ZeRO
+(arXiv:1910.02054) divides state over ``dp`` as :mod:`perflab.sharding` does, but AdamW's step
+counts, which FSDP2 keeps whole. A pipeline stage (GPipe, arXiv:1811.06965; 1F1B, arXiv:1806.03377)
+holds ``n_layer / pp`` blocks and, as an upper bound, both ends; under 1F1B the first keeps ``pp``
+micro-batches' activations; the bubble is (pp - 1) / (m + pp - 1).
+
+Communication is a tuple of :class:`Transfer` s, in bus bytes (:func:`perflab.sharding.bus_factor`):
+per micro-batch and block, two all-reduces in forward and two in backward (Megatron-LM,
+arXiv:1909.08053, section 3), an all-gather and a reduce-scatter each under sequence parallelism,
+again in backward under checkpointing; the embedding's all-reduce; ``loss_parallel``'s three of a
+float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced once in
+backward by FSDP2, else at each of AdamW's three reads (``_multi_tensor_adam``, ``torch/optim/adam.py``).
+FSDP2 (``zero=3``) gathers every unit in forward, every block in backward, and reduce-scatters, per
+micro-batch; DDP all-reduces once per step, ZeRO-1 and 2 reduce-scatter and all-gather once.
+Activation collectives move 4 bytes an element in float32, 2 in bfloat16 (as Megatron-LM's do).
+
+Used in: lecture 11 (tensor pipeline parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from perflab.memory_budget import check_workload
+from perflab.models.gpt import GPTConfig
+from perflab.render import Table
+from perflab.sharding import bus_factor
+
+__all__ = ["GROUPS", "PHASES", "Layout", "LayoutEstimate", "Transfer", "estimate_layout"]
+
+PHASES = ("forward", "backward", "optimizer step")
+GROUPS = ("tp", "dp", "pp")
+_FLOAT32, _BFLOAT16, _INT64 = 4, 2, 8
+_GATHERED_BLOCKS = 2  # FSDP2: the block computing and the next one, prefetched (as perflab.sharding)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs are split: ``dp`` x ``tp`` x ``pp`` of them; ZeRO stage ``zero`` over the ``dp`` ranks."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.zero not in (0, 1, 2, 3) or (self.zero and self.dp == 1):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, and needs dp > 1 to shard over; got {self!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.dp > 1:
+            parts.append(f"DP {self.dp}" + (f" (ZeRO-{self.zero})" if self.zero else ""))
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}" + (" + SP" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        return " x ".join(parts) or "1 GPU"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``count`` calls of one collective (or ``send``, point to point) in one group and phase of a step, per GPU."""
+
+    group: str  # "tp", "dp" or "pp"
+    phase: str  # "forward", "backward" or "optimizer step"
+    kind: str  # "all-reduce", "all-gather", "reduce-scatter" or "send"
+    count: int
+    payload: int  # bytes of the whole tensors the calls are about (an all-gather's output, a reduce-scatter's input)
+
+    def sent(self, group_size: int) -> int:
+        """Bus bytes: payload x :func:`perflab.sharding.bus_factor`; a send moves its payload once."""
+        return self.payload if self.kind == "send" else round(self.payload * bus_factor(self.kind, group_size))
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """Bytes one GPU keeps and holds, and what it sends, for one training step under a :class:`Layout`."""
+
+    layout: Layout
+    microbatches: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # what forward leaves alive: the tensors kept for backward and the logits
+    gathered: int  # ZeRO-3: parameters all-gathered in full at the peak
+    transfers: tuple[Transfer, ...] = field(repr=False)
+
+    @property
+    def peak(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.gathered
+
+    @property
+    def bubble(self) -> float:
+        """The share of a pipeline step a stage waits: (pp - 1) / (m + pp - 1)."""
+        return (self.layout.pp - 1) / (self.microbatches + self.layout.pp - 1)
+
+    def count(self, kind: str, *, group: str | None = None, phase: str | None = None) -> int:
+        return sum(t.count for t in self._select(kind, group, phase))
+
+    def payload(self, kind: str, *, group: str | None = None, phase: str | None = None) -> int:
+        return sum(t.payload for t in self._select(kind, group, phase))
+
+    def sent(self, group: str | None = None) -> int:
+        """Bus bytes per step of this GPU, in one group or all."""
+        sizes = {"tp": self.layout.tp, "dp": self.layout.dp, "pp": self.layout.pp}
+        return sum(t.sent(sizes[t.group]) for t in self.transfers if group in (None, t.group))
+
+    def fits(self, memory_per_gpu: float) -> bool:
+        return self.peak <= memory_per_gpu
+
+    def _select(self, kind: str, group: str | None, phase: str | None) -> list[Transfer]:
+        return [t for t in self.transfers if t.kind == kind and group in (None, t.group) and phase in (None, t.phase)]
+
+    def __repr__(self) -> str:
+        kept = " + ".join(f"{name.replace('_', ' ')} {getattr(self, name) / 1e6:.2f}" for name in _PARTS)
+        sent = ", ".join(f"{g} {self.sent(g) / 1e6:.2f} MB" for g in GROUPS if self.sent(g)) or "nothing"
+        return (
+            f"LayoutEstimate({self.layout.label} on {self.layout.gpus} GPUs, estimate per GPU: {kept} MB; "
+            f"bus bytes per step: {sent})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [(name.replace("_", " "), f"{getattr(self, name) / 1e6:.2f} MB") for name in (*_PARTS, "gathered")]
+        rows += [("peak", f"{self.peak / 1e6:.2f} MB")]
+        rows += [(f"bus bytes per step, {g}", f"{self.sent(g) / 1e6:.2f} MB") for g in GROUPS]
+        caption = f"{self.layout.label} on {self.layout.gpus} GPUs, per GPU: estimate"
+        return Table((), rows, caption=caption, numeric=(1,))._repr_html_()
+
+
+_PARTS = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+def estimate_layout(
+    config: GPTConfig,
+    layout: Layout,
+    *,
+    batch_size: int,
+    seq_len: int,
+    microbatches: int = 1,
+    precision: str = "float32",
+    checkpointing: bool = False,
+) -> LayoutEstimate:
+    """Closed-form bytes per GPU of one step of ``GPT(config)`` with AdamW; ``batch_size`` sequences per micro-batch
+    and data-parallel rank, ``microbatches`` of them per step (pipelined, or accumulated when ``pp`` is 1)."""
+    _check(config, layout, batch_size, seq_len, microbatches, precision)
+    C, V, L, tp, sp = config.n_embd, config.vocab_size, config.n_layer, layout.tp, layout.sequence_parallel
+    blocks = L // layout.pp
+    # Per block: what each rank holds of qkv, proj's and down's weights, up (split) and of the rest (whole).
+    block_split, block_whole = 12 * C * C + 7 * C, 6 * C  # LayerNorms 4C, proj's and down's biases 2C
+    ends_split, ends_whole = V * C, config.block_size * C + 2 * C  # tied embedding; positions, final LayerNorm
+    per_block = block_split // tp + block_whole
+    ends = ends_split // tp + ends_whole
+    elements = blocks * per_block + ends
+    tensors = 12 * blocks + 4  # AdamW keeps a float32 step count per tensor
+    dp, zero = layout.dp, layout.zero
+    parameters = elements * _FLOAT32 // (dp if zero == 3 else 1)
+    gradients = elements * _FLOAT32 // (dp if zero >= 2 else 1)
+    optimizer_state = 2 * elements * _FLOAT32 // (dp if zero >= 1 else 1) + tensors * _FLOAT32
+    gathered = (ends + min(_GATHERED_BLOCKS, blocks) * per_block) * _FLOAT32 if zero == 3 else 0
+    in_flight = min(layout.pp, microbatches)  # 1F1B: the first stage holds pp micro-batches' activations
+    activations = in_flight * blocks * _block_activations(config, layout, batch_size, seq_len, precision, checkpointing)
+    activations += _ends_activations(config, layout, batch_size, seq_len, precision)
+    element = _FLOAT32 if precision == "float32" else _BFLOAT16  # what activation collectives move
+    transfers = _tensor_parallel(config, layout, blocks, batch_size * seq_len, element, microbatches, checkpointing)
+    transfers += _data_parallel(layout, blocks, per_block, ends, microbatches)
+    if layout.pp > 1:  # each micro-batch's activations on, their gradients back: the stage's sequence share under SP
+        hop = batch_size * seq_len * C * element // (tp if sp else 1)
+        transfers += (
+            Transfer("pp", "forward", "send", microbatches, microbatches * hop),
+            Transfer("pp", "backward", "send", microbatches, microbatches * hop),
+        )
+    return LayoutEstimate(
+        layout,
+        microbatches,
+        parameters,
+        gradients,
+        optimizer_state,
+        activations,
+        gathered,
+        tuple(t for t in transfers if t.count),
+    )
+
+
+def _check(config: GPTConfig, layout: Layout, batch_size: int, seq_len: int, microbatches: int, precision: str):
+    check_workload(config, batch_size, seq_len, precision, "adamw")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if config.attention != "sdpa" or config.dropout or config.checkpoint_blocks:
+        raise ValueError("the estimate covers sdpa attention without dropout; checkpointing is estimate_layout's own")
+    if config.n_head % layout.tp or config.vocab_size % layout.tp or config.n_layer % layout.pp:
+        raise ValueError(f"{layout.label}: tp must divide n_head and vocab_size, pp must divide n_layer")
+    if layout.sequence_parallel and seq_len % layout.tp:
+        raise ValueError(f"sequence parallelism needs seq_len divisible by tp; got {seq_len} and {layout.tp}")
+
+
+def _block_activations(config, layout, batch, length, precision, checkpointing) -> int:
+    """One block's kept tensors on one rank, as perflab.memory_budget counts them, divided as the plan divides them."""
+    tokens, C, tp = batch * length, config.n_embd, layout.tp
+    sequence_share = tp if layout.sequence_parallel else 1
+    residual = tokens * C * _FLOAT32  # the residual stream stays float32 under autocast
+    if checkpointing:
+        return residual // sequence_share  # only the block's input; the rest is recomputed in backward
+    matmul = _FLOAT32 if precision == "float32" else _BFLOAT16  # what matmul inputs are saved in
+    activation = tokens * C * matmul
+    layer_norms = 2 * (residual + 2 * tokens * _FLOAT32)  # inputs, mean and 1/std: split by SP only
+    gathered_inputs = 2 * activation  # qkv's and up's inputs: whole on every rank, SP or not
+    # sdpa keeps q, k, v, its output and a log-sum-exp per query row; GELU's and down's inputs are 4C wide
+    split = 4 * activation + batch * config.n_head * length * _FLOAT32 + 8 * activation
+    if precision == "bfloat16":
+        split += 12 * C * C * _BFLOAT16  # autocast's bfloat16 copies of this rank's matrices
+    return layer_norms // sequence_share + gathered_inputs + split // tp
+
+
+def _ends_activations(config, layout, batch, length, precision) -> int:
+    """Embeddings, final LayerNorm, head, loss: what forward keeps there, the token ids and targets included."""
+    tokens, C, V, tp = batch * length, config.n_embd, config.vocab_size, layout.tp
+    sequence_share = tp if layout.sequence_parallel else 1
+    matmul = _FLOAT32 if precision == "float32" else _BFLOAT16
+    embeddings = length * _INT64 + tokens * _INT64  # positions; the ids the embedding keeps (masked, when split)
+    head = (
+        (tokens * C * _FLOAT32 + 2 * tokens * _FLOAT32) // sequence_share  # final LayerNorm's input, mean, 1/std
+        + tokens * C * matmul  # the head's input, gathered whole
+        + (V * C * _BFLOAT16 // tp if precision == "bfloat16" else 0)  # autocast's copy of this rank's vocabulary
+        + tokens * V * _FLOAT32 // tp  # log-probabilities, this rank's vocabulary (loss_parallel)
+        + tokens * V * matmul // tp  # the logits, returned
+        + tokens * _INT64  # the targets, which the loss keeps
+        + 2 * _FLOAT32  # the loss and its normalizer
+    )
+    return embeddings + head
+
+
+def _tensor_parallel(config, layout, blocks, tokens, element, microbatches, checkpointing) -> tuple[Transfer, ...]:
+    """The collectives of lecture 11's plan, per step: microbatches x (the blocks' and both ends')."""
+    if layout.tp == 1:
+        return ()
+    m, activation, L = microbatches, tokens * config.n_embd * element, blocks
+    # Checkpointing recomputes each block's forward in backward, collectives included.
+    again = 2 * L if checkpointing else 0
+    if again and not layout.sequence_parallel:
+        recomputed = (Transfer("tp", "backward", "all-reduce", m * again, m * again * activation),)
+    elif again:
+        recomputed = tuple(
+            Transfer("tp", "backward", kind, m * again, m * again * activation)
+            for kind in ("all-gather", "reduce-scatter")
+        )
+    else:
+        recomputed = ()
+    per_token = 3 * tokens * _FLOAT32  # loss_parallel: max, sum of exponentials, the target's logit
+    norms = 2 * (2 * L + 1)  # LayerNorm weights and biases: partial gradients under SP
+    if not layout.sequence_parallel:  # all-reduces: the embedding's and g's in forward, f's in backward
+        return (
+            Transfer("tp", "forward", "all-reduce", m * (2 * L + 4), m * ((2 * L + 1) * activation + per_token)),
+            Transfer("tp", "backward", "all-reduce", m * (2 * L + 1), m * (2 * L + 1) * activation),
+            *recomputed,
+        )
+    # g's all-reduce becomes a reduce-scatter, f's identity an all-gather, and the other way round in backward
+    return (
+        Transfer("tp", "forward", "all-reduce", m * 4, m * (activation + per_token)),
+        Transfer("tp", "forward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
+        Transfer("tp", "forward", "reduce-scatter", m * 2 * L, m * 2 * L * activation),
+        Transfer("tp", "backward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
+        Transfer("tp", "backward", "reduce-scatter", m * (2 * L + 1), m * (2 * L + 1) * activation),
+        # FSDP2 reduces them once in backward; plain AdamW at each of its three reads in the optimizer step
+        Transfer("tp", "backward", "all-reduce", norms, norms * config.n_embd * _FLOAT32)
+        if layout.dp > 1
+        else Transfer("tp", "optimizer step", "all-reduce", 3 * norms, 3 * norms * config.n_embd * _FLOAT32),
+        *recomputed,
+    )
+
+
+def _data_parallel(layout, blocks, per_block, ends, microbatches) -> tuple[Transfer, ...]:
+    if layout.dp == 1:
+        return ()
+    m, whole = microbatches, (blocks * per_block + ends) * _FLOAT32  # this GPU's gradients, before ZeRO divides them
+    if layout.zero == 0:  # DDP: one all-reduce of the gradients per step (bucketed in practice)
+        return (Transfer("dp", "backward", "all-reduce", 1, whole),)
+    if layout.zero in (1, 2):  # reduce-scatter the gradients, all-gather the updated parameters
+        return (
+            Transfer("dp", "backward", "reduce-scatter", 1, whole),
+            Transfer("dp", "optimizer step", "all-gather", 1, whole),
+        )
+    # FSDP2, one unit per block and a root: forward gathers every unit, backward every block again (the root stays
+    # gathered), and each unit's gradients are reduce-scattered; every micro-batch, with FSDP2's defaults.
+    return (
+        Transfer("dp", "forward", "all-gather", m * (blocks + 1), m * whole),
+        Transfer("dp", "backward", "all-gather", m * blocks, m * blocks * per_block * _FLOAT32),
+        Transfer("dp", "backward", "reduce-scatter", m * (blocks + 1), m * whole),
+    )

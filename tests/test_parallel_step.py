@@ -1,0 +1,81 @@
+"""perflab.parallel_step: per-GPU memory and communication of the course GPT under DP, ZeRO, TP and PP, on paper."""
+
+from __future__ import annotations
+
+import pytest
+from perflab.memory_budget import estimate_training_memory
+from perflab.models import GPT, GPTConfig
+from perflab.parallel_step import Layout, Transfer, estimate_layout
+from perflab.sharding import bus_factor, estimate_sharded_step
+
+CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
+WORKLOAD = dict(batch_size=2, seq_len=16)
+
+
+def estimate(**layout) -> object:
+    return estimate_layout(CONFIG, Layout(**layout), **WORKLOAD)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [dict(batch_size=2, seq_len=16), dict(batch_size=1, seq_len=32)])
+def test_one_gpu_counts_what_the_memory_budget_counts(precision, shape):
+    whole = estimate_training_memory(CONFIG, **shape, precision=precision)
+    one = estimate_layout(CONFIG, Layout(), **shape, precision=precision)
+    assert (one.parameters, one.gradients, one.optimizer_state) == (
+        whole.parameters, whole.gradients, whole.optimizer_state)  # fmt: skip
+    tokens = shape["batch_size"] * shape["seq_len"]
+    logits = tokens * CONFIG.vocab_size * (4 if precision == "float32" else 2)
+    # What forward leaves alive: the memory budget's saved tensors, and the logits and the loss it returns.
+    assert one.activations == whole.activations + logits + 4
+    assert one.transfers == () and one.gathered == 0 and one.bubble == 0
+
+
+def test_tensor_parallelism_splits_all_but_the_layernorms_the_row_biases_and_the_positions():
+    whole = dict(GPT(CONFIG).named_parameters())
+    replicated = sum(p.numel() for name, p in whole.items()
+                     if ".ln_" in name or "ln_final" in name or "position" in name or name.endswith(("proj.bias", "down.bias")))  # fmt: skip
+    total = sum(p.numel() for p in whole.values())
+    for tp in (1, 2, 4):
+        assert estimate(tp=tp).parameters == ((total - replicated) // tp + replicated) * 4
+
+
+def test_sequence_parallelism_divides_activations_and_swaps_each_all_reduce_for_a_gather_and_a_scatter():
+    plain, sp = estimate(tp=2), estimate(tp=2, sequence_parallel=True)
+    assert sp.activations < plain.activations < estimate().activations
+    assert plain.count("all-reduce", phase="backward") == 2 * CONFIG.n_layer + 1  # f: qkv's and up's inputs, the head's
+    assert sp.count("all-gather") == sp.count("reduce-scatter") + 1
+    # An all-gather and a reduce-scatter cost what one all-reduce costs; SP adds one gather, of the embeddings' gradient.
+    activation = WORKLOAD["batch_size"] * WORKLOAD["seq_len"] * CONFIG.n_embd * 4
+    norms = sum(t.sent(2) for t in sp.transfers if t.phase == "optimizer step")
+    assert sp.sent("tp") - norms - plain.sent("tp") == activation * bus_factor("all-gather", 2)
+
+
+def test_zero_over_data_parallel_ranks_agrees_with_the_sharding_estimate():
+    for zero, stage in ((0, "ddp"), (2, "zero2"), (3, "zero3")):
+        ours = estimate(dp=4, zero=zero)
+        theirs = estimate_sharded_step(CONFIG, **WORKLOAD, world_size=4, stage=stage)
+        assert ours.gradients == theirs.gradients
+        # AdamW's step counts, a float per tensor, stay whole on every rank (as FSDP2 keeps them); its moments divide
+        step_counts, moments = (12 * CONFIG.n_layer + 4) * 4, 2 * estimate().parameters
+        assert ours.optimizer_state == (theirs.optimizer_state if zero == 0 else moments // 4 + step_counts)
+        assert ours.parameters == theirs.parameters and ours.gathered == theirs.at_peak["gathered"]
+        assert abs(ours.sent("dp") - theirs.sent) <= 2  # rounded per transfer
+    # The paper's ZeRO-1 sends what ZeRO-2 sends (PyTorch's ZeroRedundancyOptimizer broadcasts instead)
+    assert estimate(dp=4, zero=1).sent("dp") == estimate(dp=4, zero=2).sent("dp")
+
+
+def test_checkpointing_keeps_block_inputs_and_repeats_the_forward_collectives_in_backward():
+    for sequence_parallel in (False, True):
+        layout = Layout(tp=2, sequence_parallel=sequence_parallel)
+        kept, recomputed = (estimate_layout(CONFIG, layout, **WORKLOAD, checkpointing=c) for c in (False, True))
+        assert recomputed.activations < kept.activations
+        blocks = 2 * CONFIG.n_layer  # the blocks' forward collectives: g's (or its reduce-scatter and all-gather)
+        for kind in ("all-gather", "reduce-scatter") if sequence_parallel else ("all-reduce",):
+            assert recomputed.count(kind, phase="backward") == kept.count(kind, phase="backward") + blocks
+
+
+def test_pipeline_stages_hold_their_blocks_and_wait_for_the_bubble():
+    one, four = estimate(), estimate_layout(CONFIG, Layout(pp=4), **WORKLOAD, microbatches=4)
+    assert four.parameters < one.parameters and four.bubble == pytest.approx(3 / 7)
+    assert four.count("send") == 2 * 4  # each micro-batch's activations forward, their gradients back
+    assert Transfer("pp", "forward", "send", 1, 100).sent(4) == 100
