@@ -21,7 +21,7 @@ queries, keys and values that returns ``(B, H, T, D)``:
 with one can run with another. Each block runs inside ``record_function("gpt.block{i}")``, a
 named region in profiler traces (eager mode only: ``torch.compile`` drops them).
 
-Used in: lectures 01, 04, 05, 07, 08 and 09, labs 05 and 08.
+Used in: lectures 01, 04, 05, 07, 08, 09 and 11, labs 05 and 08.
 """
 
 from __future__ import annotations
