@@ -41,6 +41,19 @@ def test_what_a_discarded_output_saved_is_not_counted():
     assert saved.bytes == 10 * 100 * 4
 
 
+def test_held_now_follows_the_activations_up_in_forward_and_down_in_backward():
+    weight = torch.randn(100, 100, requires_grad=True)
+    with saved_tensors() as saved:
+        first = (torch.randn(10, 100) @ weight).relu().sum()  # keeps its input and relu's output: 4 kB each
+        after_one = saved.held_now(excluding=[weight])
+        second = (torch.randn(10, 100) @ weight).relu().sum()
+        after_two = saved.held_now(excluding=[weight])
+        first.backward()  # frees what the first graph saved
+        after_backward = saved.held_now(excluding=[weight])
+    assert (after_one, after_two, after_backward) == (8000, 16000, 8000)
+    assert second.requires_grad and saved.count == 2  # at the end of the block: the second graph's two
+
+
 def test_peak_memory_counts_what_the_block_held_at_once():
     from perflab.memory import peak_memory
 

@@ -32,7 +32,7 @@ once): what a pack hook that copies, such as ``torch.autograd.graph.save_on_cpu`
 of code that ``torch.compile`` generated, which calls no operator for them.
 
 Used in: lecture 05 (memory checkpointing), lecture 06 (compile), lecture 08 (flash attention), lecture 09
-(sharding), labs 05, 08 and 12.
+(sharding), lecture 11 (tensor pipeline parallel), labs 05, 08 and 12.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class SavedTensors:
 
     storages: dict[int, int] = field(default_factory=dict)  # storage address -> bytes
     packed_bytes: int = 0  # each saved tensor's own bytes, counted every time an operation saved it
+    # (the saved tensor, its storage's address, the storage's bytes, the tensor's own bytes), as the hook saw them
+    _packed: list[tuple[weakref.ref, int, int, int]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def bytes(self) -> int:
@@ -71,6 +73,16 @@ class SavedTensors:
         """The bytes kept in storages that none of ``tensors`` uses: pass the parameters to get the activations."""
         excluded = {tensor.untyped_storage().data_ptr() for tensor in tensors}
         return sum(nbytes for address, nbytes in self.storages.items() if address not in excluded)
+
+    def held_now(self, excluding: Iterable[torch.Tensor] = ()) -> int:
+        """Inside the block: the bytes of the saved storages still alive at this moment, ``excluding`` left out.
+
+        Autograd frees what a backward pass used, so called between pieces of work this follows the
+        activations held as they rise with each forward and fall with each backward.
+        """
+        excluded = {tensor.untyped_storage().data_ptr() for tensor in excluding}
+        alive = {address: nbytes for ref, address, nbytes, _ in self._packed if ref() is not None}
+        return sum(nbytes for address, nbytes in alive.items() if address not in excluded)
 
     def __repr__(self) -> str:
         return f"SavedTensors({self.bytes / 1e6:.2f} MB in {self.count} tensors kept for backward)"
@@ -93,8 +105,7 @@ def saved_tensors() -> Iterator[SavedTensors]:
     ``save_on_cpu``) replace these for what is saved under them.
     """
     saved = SavedTensors()
-    # (the saved tensor, its storage's address, the storage's bytes, the tensor's own bytes)
-    packed: list[tuple[weakref.ref, int, int, int]] = []
+    packed = saved._packed
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
