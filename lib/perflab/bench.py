@@ -28,7 +28,7 @@ alternate two functions round by round. The loop also synchronizes the device be
           x + x  |  ...
     Times are in ...
 
-Used in: lectures 01-08 and 10, labs 01, 02, 04, 05, 06 and 11.
+Used in: lectures 01-08 and 10, labs 01, 02, 04, 05, 06 and 12.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ decoding every JPEG every epoch; the cached path decodes and resizes each image 
 in a file beside the dataset), then crops and flips a whole batch with a few tensor ops, on
 whichever device holds the cache (``cache.to("cuda")``: the GPU augments its own batches).
 
-Used in: lecture 02 (profiling), lecture 03 (data loading), labs 03 and 11.
+Used in: lecture 02 (profiling), lecture 03 (data loading), labs 03 and 12.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ in :mod:`perflab.profiling`, ``ceiling_chart`` in :mod:`perflab.ceiling`, ``diag
 in :mod:`perflab.planted`, ``tradeoff_curve`` in :mod:`perflab.tradeoff` and
 ``break_even_chart`` in :mod:`perflab.compiling`.
 
-Used in: lectures 02, 03, 05 and 06, labs 03 and 11.
+Used in: lectures 02, 03, 05 and 06, labs 03 and 12.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ MEASURED_CELLS = {
 # other gradings. Lab 10's kernel cannot be checked inside a kernel whose Python the learner controls.
 CHECKED_CELLS = {
     "lab10_flash_triton": ("test_forward", "test_lse", "test_causal_skip", "test_backward", "test_backward_memory"),
+    "lab11_megatron": ("test_f_g", "test_layers", "test_mlp", "test_communication", "test_memory"),
 }
 # Every graded cell whose output the trusted grader's verdict replaces.
 DECIDED_OUTSIDE = {**MEASURED_CELLS, **CHECKED_CELLS}

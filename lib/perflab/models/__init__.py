@@ -14,7 +14,7 @@
 ``resnet`` is a small CIFAR-style convolutional network, ``gpt`` a small decoder-only
 transformer with three interchangeable attention implementations.
 
-Used in: lectures 01-09, labs 03, 05, 08 and 11.
+Used in: lectures 01-09, labs 03, 05, 08 and 12.
 """
 
 from __future__ import annotations
