@@ -55,8 +55,10 @@ TRAFFIC = {2: (64, 1024, 4096), 4: (64, 1024, 512)}
 F_G_SHAPE = (8, 16)
 LAYERS = (6, (24, 32), (32, 24))  # tokens, (in, out) of the column-parallel layer, (in, out) of the row-parallel one
 MLP = (8, 32, 64)  # tokens, hidden, ffn: every size divides by 4
-SENT_BOUNDS = (0.95, 1.10)  # loopback bytes over the formula's; headers and acknowledgements add about 1%
-LOOPBACK_SLACK = 32 << 10
+# Bytes sent over the formula's: never fewer, and TCP's headers and acknowledgements add 1% to 7% on the loopback;
+# one all-reduce too many doubles them.
+SENT_BOUNDS = (0.95, 1.25)
+LOOPBACK_SLACK = 64 << 10
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order: a few ulps apart; a missing all-reduce is off by O(1)
 HANDLERS = "perflab.grading.megatron_lab_ranks"
 REQUEST_TIMEOUT_S = 60  # far beyond a request's fraction of a second: a rank that takes this long hangs
@@ -142,7 +144,9 @@ def _received(replies, expected: list[list[torch.Tensor]], names, world: int) ->
     """Each rank's tensors, once each has the shape of the one expected; ChildError naming the first that has not."""
     received = []
     for rank, ((shapes, payload), wanted) in enumerate(zip(replies, expected)):
-        for name, shape, want in zip(names, shapes or [], wanted):
+        if not (type(shapes) is list and all(type(s) is list and all(type(n) is int for n in s) for s in shapes)):
+            raise ChildError(f"rank {rank} of {world} sent shapes that are not lists of sizes: {str(shapes)[:200]}")
+        for name, shape, want in zip(names, shapes, wanted):
             if tuple(shape) != tuple(want.shape):
                 raise ChildError(f"rank {rank} of {world}: {name} has shape {tuple(shape)}, not {tuple(want.shape)}")
         received.append(tensors_from_bytes(payload, [tuple(want.shape) for want in wanted]))

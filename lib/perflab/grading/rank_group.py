@@ -2,8 +2,8 @@
 
 In the trusted grader (starting ranks takes seconds, so this is shown, not run)::
 
-    group = RankGroup(4, cells=[("setup", "import torch")], handlers="perflab.grading.megatron_lab")
-    group.call("lab11_init", ranks=2, store="/tmp/world-1")          # ranks 0 and 1 form a world of 2
+    group = RankGroup(4, cells=[("setup", "import torch")], handlers="perflab.grading.megatron_lab_ranks")
+    group.call("lab11_world", ranks=2, store="/tmp/world-1")         # ranks 0 and 1 form a world of 2
     before = group.readings()
     group.call("lab11_forward", ranks=2, payloads=[x_bytes, x_bytes])
     sent = group.readings() - before           # Readings(loopback 524,288 B; written per rank 262,188, 262,188)
@@ -11,7 +11,9 @@ In the trusted grader (starting ranks takes seconds, so this is shown, not run):
 
 Every rank runs :mod:`perflab.grading.child` (the cells, then one ``child_*`` handler per request)
 and talks to the grader through pipes the grader made and handed into the sandbox, so nothing in
-the sandbox relays a reply. All ranks share one bubblewrap sandbox, and so one network namespace:
+the sandbox relays a reply. A launcher in the sandbox, which runs no learner code, imports torch
+and the handlers once and forks every rank from itself: the ranks share its pages until they write
+them, one import for all. All ranks share one bubblewrap sandbox, and so one network namespace:
 gloo's connections run over a loopback interface that only they use. The sandbox mounts ``/proc``
 read-only. From outside, the grader reads what the learner's code, which runs in the ranks, cannot
 change:
@@ -150,6 +152,8 @@ class RankGroup:
             if not timer.is_alive():
                 raise ChildLost(f"the ranks did not all answer within {timeout_s:g} s: {self.output_tail()}") from None
             raise ChildError(f"a rank's process ended ({error}): {self.output_tail()}") from None
+        except (ValueError, UnicodeDecodeError) as error:  # a rank's code wrote to the grader's pipe itself
+            raise ChildError(f"a rank's reply is not one the course's code sends: {error}") from None
         finally:
             timer.cancel()
 
@@ -171,13 +175,15 @@ class RankGroup:
         holders: dict[int, list[psutil.Process]] = {}
         for process in self._tree():
             try:
-                holders.setdefault(os.stat(f"/proc/{process.pid}/fd/0").st_ino, []).append(process)
+                holders.setdefault(os.stat(f"/proc/{process.pid}/fd/0").st_ino, []).append(
+                    (process.pid, process.ppid())
+                )
             except (OSError, psutil.Error):
                 continue
         pids = []
         for rank, inode in enumerate(self._inodes):
-            found = {process.pid: process for process in holders.get(inode, [])}
-            first = [pid for pid, process in found.items() if process.ppid() not in found]
+            found = dict(holders.get(inode, []))
+            first = [pid for pid, parent in found.items() if parent not in found]
             if len(first) != 1:
                 raise ChildError(f"rank {rank}'s process is not in the sandbox, or not alone on its requests' pipe")
             pids.append(first[0])
@@ -185,7 +191,10 @@ class RankGroup:
 
     def strangers(self) -> list[str]:
         """Processes of the sandbox other than the ranks, their launcher and bubblewrap's own: what the answer started."""
-        launcher = psutil.Process(self.pids[0]).ppid() if self.pids else None
+        try:
+            launcher = psutil.Process(self.pids[0]).ppid()
+        except psutil.Error as error:
+            raise ChildError(f"a rank's process has ended: {error}") from None
         bwrap = os.path.realpath(shutil.which("bwrap") or "bwrap")
         found = []
         for process in self._tree():
@@ -203,8 +212,11 @@ class RankGroup:
     def reset_peaks(self) -> None:
         """Start every rank's peak resident memory again from its resident memory now."""
         for pid in self.pids:
-            with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+                    clear_refs.write("5")
+            except OSError as error:
+                raise ChildError(f"a rank's process has ended: {error}") from None
 
     def resident(self) -> list[int]:
         return [_proc_field(pid, "status", "VmRSS") * 1024 for pid in self.pids]
@@ -237,17 +249,23 @@ class RankGroup:
 
 
 def _proc_field(pid: int, name: str, field: str) -> int:
-    with open(f"/proc/{pid}/{name}") as lines:
-        return next(int(line.split(":")[1].split()[0]) for line in lines if line.startswith(field + ":"))
+    try:
+        with open(f"/proc/{pid}/{name}") as lines:
+            return next(int(line.split(":")[1].split()[0]) for line in lines if line.startswith(field + ":"))
+    except OSError as error:
+        raise ChildError(f"a rank's process has ended: {error}") from None
 
 
 def _loopback_sent(pid: int) -> int:
     """Bytes sent through the loopback of ``pid``'s network namespace."""
-    with open(f"/proc/{pid}/net/dev") as counters:
-        for line in counters:
-            name, _, fields = line.partition(":")
-            if name.strip() == "lo":
-                return int(fields.split()[8])  # receive: 8 fields, then transmit: bytes first
+    try:
+        with open(f"/proc/{pid}/net/dev") as counters:
+            for line in counters:
+                name, _, fields = line.partition(":")
+                if name.strip() == "lo":
+                    return int(fields.split()[8])  # receive: 8 fields, then transmit: bytes first
+    except OSError as error:
+        raise ChildError(f"a rank's process has ended: {error}") from None
     raise ChildLost("the ranks' network namespace has no loopback")
 
 
