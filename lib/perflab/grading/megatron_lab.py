@@ -292,7 +292,7 @@ def _check_traffic(group: RankGroup, world: int, reference: dict, findings: _Fin
         if short:
             communication.append(f"in one {name}, ranks {short} wrote less than one all-reduce's {each:,} bytes")
     if world == 2:
-        _memory_findings(findings, growth, strangers, hidden, ffn, world, [w for w in wrong if "output" in w])
+        _memory_findings(findings, growth, strangers, hidden, ffn, world, [w for w in wrong if "the MLP's output" in w])
 
 
 def _listed(numbers) -> str:
