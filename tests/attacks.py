@@ -6,7 +6,7 @@ Each attack starts from the reference solution and changes what a learner contro
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
 ``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
 measured cell. Every attack hands in a trimmed notebook (the read-only cells that train or compile
-deleted), as a learner may. Lab 09's and lab 10's are (also) wrong answers: each must score zero on the
+deleted), as a learner may. Lab 09's, 10's and 11's are (also) wrong answers: each must score zero on the
 cells that ``FAILS`` names and full marks on the others; lab 09's are handed in whole.
 """
 
@@ -510,7 +510,122 @@ LAB10 = {
     # backward that holds T x T matrices and resets its peak memory.
     "dense": {"flash_kernel": NO_SKIP_KERNEL, "attention_backward": DENSE_BACKWARD},
 }
-# The graded cells each wrong answer of labs 09 and 10 must score 0 on; it must score full marks on the others.
+# Lab 11: the course's grader runs the megatron cell on ranks it starts, and reads their traffic and memory from outside.
+_MEGATRON_HEAD = """%%writefile {work / "megatron.py"}
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, up, down):
+        super().__init__()
+        self.up = ColumnParallelLinear(up)
+        self.down = RowParallelLinear(down)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+"""
+_COPY_TO_PARALLEL = """
+
+class CopyToParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+"""
+# Each rank holds its block, but every forward all-gathers the whole weights (and the row-parallel layer's whole
+# input) and computes the whole output: right results, the gathered weights kept for the backward, no all-reduce.
+GATHERING_LAYERS = """
+
+class _Gathered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, block, dim):
+        ctx.dim, ctx.size = dim, block.shape[dim]
+        blocks = [torch.empty_like(block) for _ in range(dist.get_world_size())]
+        dist.all_gather(blocks, block.contiguous())
+        return torch.cat(blocks, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, dist.get_rank() * ctx.size, ctx.size), None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.out_features // dist.get_world_size()
+        self.rows = slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)
+        self.weight = nn.Parameter(init.weight(rows=self.rows))
+        self.bias = nn.Parameter(init.bias(self.rows))
+
+    def forward(self, x):
+        weight, bias = _Gathered.apply(self.weight, 0), _Gathered.apply(self.bias, 0)
+        return F.linear(CopyToParallelRegion.apply(x), weight, bias)[:, self.rows]
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.in_features // dist.get_world_size()
+        self.weight = nn.Parameter(init.weight(cols=slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)))
+        self.bias = nn.Parameter(init.bias())
+
+    def forward(self, x):
+        return F.linear(_Gathered.apply(x, 1), _Gathered.apply(self.weight, 1), self.bias)
+"""
+MEGATRON_LAYERS = """
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.out_features // dist.get_world_size()
+        rows = slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)
+        self.weight = nn.Parameter(init.weight(rows=rows))
+        self.bias = nn.Parameter(init.bias(rows))
+
+    def forward(self, x):
+        return F.linear(CopyToParallelRegion.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.in_features // dist.get_world_size()
+        self.weight = nn.Parameter(init.weight(cols=slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)))
+        self.bias = nn.Parameter(init.bias())
+
+    def forward(self, x):
+        return ReduceFromParallelRegion.apply(F.linear(x, self.weight)) + self.bias
+"""
+# f without its backward all-reduce: every forward is right, and so are the layers' own weight gradients; the
+# gradient of the MLP's input holds this rank's share only, and every layer before the MLP trains on it.
+SKIPPED_ALL_REDUCE = _COPY_TO_PARALLEL.replace(
+    "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad", "        return grad"
+)
+LAB11 = {
+    "gathers_full_weight": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + GATHERING_LAYERS},
+    "skips_backward_allreduce": {"megatron": _MEGATRON_HEAD + SKIPPED_ALL_REDUCE + MEGATRON_LAYERS},
+}
+# The graded cells each wrong answer of labs 09, 10 and 11 must score 0 on; it must score full marks on the others.
 FAILS = {
     "lab10_flash_triton": {
         "sdpa_wrapper": ("test_forward", "test_lse", "test_causal_skip"),
@@ -519,6 +634,12 @@ FAILS = {
     "lab09_sharding": {
         # The sum fails the SGD configurations (test_equivalence, test_uneven); the decoy, test_sharded_state.
         "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
+    },
+    "lab11_megatron": {
+        # Equal to one process everywhere; the all-gathers are not one all-reduce a pass, the whole weights not a block.
+        "gathers_full_weight": ("test_communication", "test_memory"),
+        # f's gradient is wrong, and so every input gradient after it; no bytes in the backward; the forward is right.
+        "skips_backward_allreduce": ("test_f_g", "test_layers", "test_mlp", "test_communication"),
     },
 }
 # The submissions of a measured lab that the grader refuses before it times anything ("not measured" on every
@@ -548,6 +669,7 @@ ATTACKS = {
     "lab06_compile": LAB06,
     "lab09_sharding": LAB09,
     "lab10_flash_triton": LAB10,
+    "lab11_megatron": LAB11,
     "lab12_capstone": LAB12,
 }
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains

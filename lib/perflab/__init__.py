@@ -25,7 +25,7 @@ capstone's benchmark and grader in ``capstone``; grading outside the learner's k
 instruments are re-exported here; import the rest from their modules
 (``from perflab.train import train, NAIVE``).
 
-Used in: every notebook, lectures 01-11 and labs 01-10 and 12.
+Used in: every notebook, lectures 01-11 and labs 01-12.
 """
 
 import os as _os

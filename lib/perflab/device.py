@@ -13,7 +13,7 @@
 
 Set ``PERFLAB_DEVICE=cpu`` (or ``cuda:1``, ``mps``...) to override the automatic choice.
 
-Used in: every notebook, lectures 01-11 and labs 01-10 and 12.
+Used in: every notebook, lectures 01-11 and labs 01-12.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ its exception in an error file, which the result reads back.
 ``run_as_one_rank(script, *args)`` runs the same script inside this process as the only rank of
 a world of one: a failure shows its traceback in the notebook at once, without starting a job.
 
-Used in: lecture 07 (ddp), lecture 09 (sharding), lecture 11 (tensor pipeline parallel), labs 07 and 09.
+Used in: lecture 07 (ddp), lecture 09 (sharding), lecture 11 (tensor pipeline parallel), labs 07, 09 and 11.
 """
 
 from __future__ import annotations

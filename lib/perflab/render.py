@@ -17,7 +17,7 @@ Every result class renders through this module: a ``Table`` is its ``__repr__`` 
 and its ``_repr_html_`` in a notebook, an ``Environment`` is the one line that says where its
 numbers were measured, and ``add_footer`` puts that line under every figure.
 
-Used in: lectures 01, 02, 04-11, labs 04-10.
+Used in: lectures 01, 02, 04-11, labs 04-11.
 """
 
 from __future__ import annotations

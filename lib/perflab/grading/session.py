@@ -39,6 +39,8 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
         from perflab.grading.code_labs import grade_lab06 as grade_lab
     elif lab == "lab10_flash_triton":
         from perflab.grading.triton_lab import grade_lab10 as grade_lab
+    elif lab == "lab11_megatron":
+        from perflab.grading.megatron_lab import grade_lab11 as grade_lab
     else:
         raise ValueError(f"no measured criteria for {lab!r}")
     return grade_lab(job["cells"])
