@@ -15,6 +15,7 @@ from perflab.grading.course import REPO
 from perflab.grading.megatron_lab import answer_source, memory_limit, ring_all_reduce_bytes
 from perflab.grading.megatron_lab_ranks import LR, backward, train
 from perflab.grading.nbgrader import _clean
+from perflab.grading.sandbox import SANDBOX_ENV_VAR
 
 LAB = REPO / "solutions" / "lab11_megatron" / "lab11_megatron.ipynb"
 
@@ -123,3 +124,12 @@ def test_a_helper_process_loses_the_memory_points_and_a_hang_ends_within_the_bou
     }, verdicts
     assert "did not all answer within 8 s" in verdicts["test_mlp"].reasons[0], verdicts["test_mlp"]
     assert any("processes of its own" in reason for reason in verdicts["test_memory"].reasons), verdicts["test_memory"]
+
+
+@pytest.mark.slow
+def test_without_a_sandbox_the_ranks_writes_alone_decide_the_communication(monkeypatch):
+    """Unsandboxed, the ranks share the machine's loopback with every other process: it is not read."""
+    monkeypatch.setenv(SANDBOX_ENV_VAR, "0")
+    verdicts = megatron_lab.grade_lab11({"course": COURSE, "learner": {"megatron": COURSE["megatron"]}})
+    assert all(verdict.passed for verdict in verdicts.values()), verdicts
+    assert "the loopback not read" in verdicts["test_communication"].measured, verdicts["test_communication"]

@@ -28,6 +28,8 @@ change:
 
     >>> Readings(1000, (400, 600)) - Readings(200, (100, 100))
     Readings(loopback 800 B; written per rank 300, 500)
+    >>> Readings(None, (400, 600)) - Readings(None, (100, 100))   # unsandboxed: the host's loopback, not read
+    Readings(loopback not read; written per rank 300, 500)
 
 Used by perflab.grading.megatron_lab.
 """
@@ -61,14 +63,16 @@ _RANK_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 class Readings:
     """What the ranks sent so far, as the kernel counts it: the sandbox's loopback and each rank's written bytes."""
 
-    loopback: int
+    loopback: int | None  # None: the ranks have no network of their own (no sandbox), whose loopback others share
     written: tuple[int, ...]
 
     def __sub__(self, earlier: Readings) -> Readings:
-        return Readings(self.loopback - earlier.loopback, tuple(a - b for a, b in zip(self.written, earlier.written)))
+        loopback = None if self.loopback is None or earlier.loopback is None else self.loopback - earlier.loopback
+        return Readings(loopback, tuple(a - b for a, b in zip(self.written, earlier.written)))
 
     def __repr__(self) -> str:
-        return f"Readings(loopback {self.loopback:,} B; written per rank {', '.join(f'{w:,}' for w in self.written)})"
+        loopback = "not read" if self.loopback is None else f"{self.loopback:,} B"
+        return f"Readings(loopback {loopback}; written per rank {', '.join(f'{w:,}' for w in self.written)})"
 
 
 class RankGroup:
@@ -89,7 +93,8 @@ class RankGroup:
         pipes = [(os.pipe(), os.pipe()) for _ in range(size)]  # (requests, replies): (read end, write end) each
         inside = [(requests[0], replies[1]) for requests, replies in pipes]
         command = trusted_python(__name__)
-        if require_sandbox():
+        self.own_network = require_sandbox()  # a sandbox is a network namespace of its own: its loopback is theirs
+        if self.own_network:
             command = sandbox_command(
                 command, workdir=self.workdir, readable=[pristine_perflab()], env=_RANK_ENVIRONMENT, read_only_proc=True
             )
@@ -207,7 +212,8 @@ class RankGroup:
         return found
 
     def readings(self) -> Readings:
-        return Readings(_loopback_sent(self.pids[0]), tuple(_proc_field(pid, "io", "wchar") for pid in self.pids))
+        loopback = _loopback_sent(self.pids[0]) if self.own_network else None
+        return Readings(loopback, tuple(_proc_field(pid, "io", "wchar") for pid in self.pids))
 
     def reset_peaks(self) -> None:
         """Start every rank's peak resident memory again from its resident memory now."""
