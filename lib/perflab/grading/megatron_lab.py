@@ -27,6 +27,8 @@ Used in: lab 11.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from perflab.grading.child import ChildError
@@ -290,10 +292,7 @@ def _check_traffic(group: RankGroup, world: int, reference: dict, findings: _Fin
         f"backward {_listed(sent['backward'].written[:world])} B (one all-reduce: {each:,} B)"
     )
     for name, readings in sent.items():
-        if (
-            readings.loopback is not None
-            and not low * together <= readings.loopback <= high * together + SENT_SLACK
-        ):
+        if readings.loopback is not None and not low * together <= readings.loopback <= high * together + SENT_SLACK:
             communication.append(
                 f"{world} ranks sent {readings.loopback:,} bytes in one {name}, not one all-reduce's {together:,}"
             )
@@ -362,7 +361,10 @@ def grade_lab11(cells: dict) -> dict[str, Verdict]:
                 try:
                     if not joined:
                         worlds += 1
-                        group.call("lab11_world", world, store=f"/tmp/perflab-world-{worlds}")
+                        # In the grading's own folder: unsandboxed, /tmp is the machine's, where another grading's
+                        # rendezvous file of the same name would join these ranks to a world that is gone.
+                        store = os.path.join(group.workdir, f"world-{worlds}")
+                        group.call("lab11_world", world, store=store)
                         joined = True
                     check(group, world, reference, findings)
                 except ChildError as error:  # a rank that raised, ended or hung: the answer's doing
