@@ -15,6 +15,7 @@ from __future__ import annotations
 import nbformat
 from nbformat.v4 import new_code_cell
 from perflab.grading.course import REPO
+from perflab.grading.nbgrader import _clean
 
 # A comparison or grade that says "pass" to whoever asks in the kernel.
 FAKE_PASS = """
@@ -677,6 +678,16 @@ ATTACKS = {
 # own cells, from its copy of the lab. Lab 09's wrong answers keep every cell: its tests run in the kernel.
 KEPT = {"colab_setup", "setup"}
 UNTRIMMED = {"lab09_sharding"}
+
+
+def course_cells(lab: str) -> dict[str, str]:
+    """The lab's graded cells as its trusted grader receives the course's: grade_id -> source, magics dropped."""
+    notebook = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
+    return {
+        cell.metadata["nbgrader"]["grade_id"]: _clean(cell.source)
+        for cell in notebook.cells
+        if cell.cell_type == "code" and "nbgrader" in cell.metadata
+    }
 
 
 def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:

@@ -5,31 +5,16 @@ from __future__ import annotations
 
 import time
 
-import nbformat
 import pytest
 import torch
-from attacks import _COPY_TO_PARALLEL, _MEGATRON_HEAD, MEGATRON_LAYERS, SKIPPED_ALL_REDUCE
+from attacks import _COPY_TO_PARALLEL, _MEGATRON_HEAD, MEGATRON_LAYERS, SKIPPED_ALL_REDUCE, course_cells
 from perflab.grading import megatron_lab
 from perflab.grading.code_labs import run_cells
-from perflab.grading.course import REPO
 from perflab.grading.megatron_lab import answer_source, memory_limit, ring_all_reduce_bytes
 from perflab.grading.megatron_lab_ranks import LR, backward, train
-from perflab.grading.nbgrader import _clean
 from perflab.grading.sandbox import SANDBOX_ENV_VAR
 
-LAB = REPO / "solutions" / "lab11_megatron" / "lab11_megatron.ipynb"
-
-
-def _cells() -> dict[str, str]:
-    notebook = nbformat.read(LAB, as_version=4)
-    return {
-        cell.metadata["nbgrader"]["grade_id"]: _clean(cell.source)
-        for cell in notebook.cells
-        if cell.cell_type == "code" and "nbgrader" in cell.metadata
-    }
-
-
-COURSE = _cells()
+COURSE = course_cells("lab11_megatron")
 PROBLEM = run_cells({"problem": answer_source(COURSE["problem"])}, ["problem"])
 
 

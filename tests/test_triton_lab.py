@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import nbformat
 import pytest
-from attacks import NO_SKIP_KERNEL, SDPA_KERNEL
+from attacks import NO_SKIP_KERNEL, SDPA_KERNEL, course_cells
 from perflab.grading import triton_lab
-from perflab.grading.course import REPO
-from perflab.grading.nbgrader import _clean
 from perflab.grading.triton_lab import KernelRefused, kernel_definitions
 
-LAB = REPO / "solutions" / "lab10_flash_triton" / "lab10_flash_triton.ipynb"
-
-
-def _course_cells() -> dict[str, str]:
-    notebook = nbformat.read(LAB, as_version=4)
-    return {
-        cell.metadata["nbgrader"]["grade_id"]: _clean(cell.source)
-        for cell in notebook.cells
-        if cell.cell_type == "code" and "nbgrader" in cell.metadata
-    }
-
-
-COURSE = _course_cells()
+COURSE = course_cells("lab10_flash_triton")
 STUB = COURSE["flash_kernel"]
 SIGNATURE = STUB.split("):")[0] + "):\n"  # the decorator and the def line of the course's kernel
 HELPER = """
