@@ -2,22 +2,35 @@
 #                                      make check  (set up, then lint and the fast tests: under 3 minutes)
 #                                      make test   (set up, then run the whole test suite: under 20 minutes)
 #                                      make site   (set up, then build the course's website into build/site/html)
+#                                      make test-compat TORCH=2.11.0  (the compatibility tier on another torch)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The supported range is pyproject.toml's; each tested torch has its torchvision in constraints/torch-X.Y.Z.txt.
+# `make setup` installs the default pair; `make test-compat` the range's oldest end unless TORCH= says another.
+DEFAULT_TORCH := 2.14.1
+OLDEST_TORCH := 2.11.0
+COMPAT_TORCH := $(if $(filter undefined,$(origin TORCH)),$(OLDEST_TORCH),$(TORCH))
+TORCH ?= $(DEFAULT_TORCH)
+CONSTRAINTS := constraints/torch-$(TORCH).txt
 # nbgrader runs `alembic` and `jupyter` from PATH: the virtualenv's bin must come first.
 export PATH := $(abspath $(BIN)):$(PATH)
 # jupyter refuses to start as root unless told it may (containers, Binder-like machines).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab check test site labs doctor clean
+.PHONY: setup lab check test test-compat compat-tier site labs doctor clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-torch$(TORCH)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-torch$(TORCH): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[course,site,test]'
+	$(BIN)/python -m pip install --quiet -e '.[course,site,test]' -c $(CONSTRAINTS)
+	rm -f $(VENV)/.installed-torch*
 	touch $@
+
+$(CONSTRAINTS):
+	@echo "no $@: each tested torch has its file there, naming the torchvision built for it; have: $$(ls constraints)" >&2
+	@exit 2
 
 lab: setup
 	$(BIN)/jupyter lab $(ROOT_FLAG)
@@ -31,6 +44,14 @@ check: setup
 test: setup
 	$(BIN)/python -m pytest
 
+# The compatibility tier, in a virtualenv of its own (.venv-torchX.Y.Z): the fast tests, every lecture under nbval and
+# two labs' grading round trips (the `compat` marker, conftest.py) on another torch of the supported range.
+test-compat:
+	$(MAKE) --no-print-directory compat-tier TORCH=$(COMPAT_TORCH) VENV=.venv-torch$(COMPAT_TORCH)
+
+compat-tier: setup
+	$(BIN)/python -m pytest -m "not slow or compat"
+
 # The course as a website in build/site/html: runs the lectures whose content changed since the last build.
 site: setup
 	$(BIN)/python -m perflab site
@@ -43,4 +64,4 @@ doctor: setup
 	$(BIN)/python -m perflab doctor
 
 clean:
-	rm -rf $(VENV) gradebook.db submitted autograded feedback build
+	rm -rf $(VENV) .venv-torch* gradebook.db submitted autograded feedback build

@@ -6,6 +6,7 @@ import sys
 
 import tomllib
 import yaml
+from packaging.requirements import Requirement
 from perflab.grading.course import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -18,8 +19,17 @@ def _normalized(requirement: str) -> str:
 
 
 def _pyproject_requirements() -> set[str]:
+    """pyproject's requirements, torch and torchvision at the default install's pins, which must lie in its range."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    requirements = list(project["dependencies"])
+    pins = {name: Requirement(line) for name, line in environment_files.default_pins().items()}
+    requirements = []
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.name in pins:
+            (pinned,) = pins[requirement.name].specifier
+            assert requirement.specifier.contains(pinned.version), f"{pinned} is outside pyproject's {requirement}"
+            line = str(pins[requirement.name])
+        requirements.append(line)
     for extra in project["optional-dependencies"].values():
         requirements += extra
     return {_normalized(r) for r in requirements}
@@ -62,7 +72,13 @@ def test_the_environment_files_are_what_the_script_writes_from_pyproject():
 
 
 def test_the_script_finds_a_stale_file_and_rewrites_it(tmp_path):
-    for name in ("pyproject.toml", "environment.yml", "binder/environment.yml"):
+    for name in (
+        "pyproject.toml",
+        "Makefile",
+        "constraints/torch-2.14.1.txt",
+        "environment.yml",
+        "binder/environment.yml",
+    ):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     pyproject = tmp_path / "pyproject.toml"

@@ -10,6 +10,7 @@ installed by pip inside a conda environment (conda-forge's own torch builds lag 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -22,8 +23,8 @@ _HEADERS = {
     "environment.yml": """\
 # conda env create -f environment.yml && conda activate perflab
 # Generated from pyproject.toml by tools/environment_files.py: edit pyproject.toml, then run it.
-# The Python packages are installed by pip with pyproject's pins. For a CUDA machine this gives
-# PyPI's CUDA build of torch.
+# The Python packages are installed by pip, torch at the default install's pins (constraints/).
+# For a CUDA machine this gives PyPI's CUDA build of torch.
 """,
     "binder/environment.yml": """\
 # Binder (repo2docker) builds this environment, then runs binder/postBuild.
@@ -38,10 +39,19 @@ _EXTRA_PIP_LINES = {
 }
 
 
+def default_pins(repo: Path = REPO) -> dict[str, str]:
+    """The default install's pinned pair, {"torch": "torch==X", ...}: the constraints file the Makefile names."""
+    default = re.search(r"^DEFAULT_TORCH := (\S+)$", (repo / "Makefile").read_text(), re.M).group(1)
+    lines = (repo / "constraints" / f"torch-{default}.txt").read_text().splitlines()
+    return {line.split("==")[0]: line for line in lines if "==" in line and not line.startswith("#")}
+
+
 def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
-    """The project's dependencies, then each optional group's, in pyproject's order."""
+    """The project's dependencies, then each optional group's, in pyproject's order; torch and torchvision at the
+    default install's pins rather than the supported range."""
     project = tomllib.loads(pyproject.read_text())["project"]
-    listed = list(project["dependencies"])
+    pins = default_pins(pyproject.parent)
+    listed = [pins.get(re.split(r"[<>=!~ ]", r)[0], r) for r in project["dependencies"]]
     for group in project["optional-dependencies"].values():
         listed += [r for r in group if r not in listed]
     return listed

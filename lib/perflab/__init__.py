@@ -32,6 +32,7 @@ import os as _os
 import sys as _sys
 
 from perflab import native_logs as _native_logs
+from perflab import torch_features as _torch_features
 from perflab.bench import Comparison, Timing, benchmark, compare
 from perflab.device import SyncCounter, pick_device, synchronize
 from perflab.device import count_syncs as count_syncs  # deprecated name, importable for one more release
@@ -44,3 +45,17 @@ __all__ = ["Comparison", "SyncCounter", "Timing", "benchmark", "compare", "docto
 # Jupyter kernel also the C++ ones. PERFLAB_NATIVE_LOGS=keep leaves fd 2 untouched, to see them all.
 _in_kernel = type(_sys.stderr).__module__.startswith("ipykernel")  # stderr shown in a notebook
 _native_logs.install(native=_in_kernel and _os.environ.get("PERFLAB_NATIVE_LOGS") != "keep")
+
+# A learner whose torch came with the machine (Colab, a cluster's module, a container) hears at once if the course
+# was never tested on it; `python -m perflab doctor` lists the cells that need a newer one.
+if not _torch_features.in_supported_range():
+    import warnings as _warnings
+
+    import torch as _torch
+
+    _warnings.warn(
+        f"perflab supports torch {_torch_features.SUPPORTED}; this is torch {_torch.__version__}, on which cells may "
+        "fail: python -m perflab doctor says what your torch lacks",
+        UserWarning,
+        stacklevel=2,
+    )

@@ -7,6 +7,7 @@
     section      check                             result
     machine      device                            ...
     versions     torch                             ...
+    versions     torch the course supports         >=2.11,<2.15: ...
     precision    matmul 512x512 fp32               ...
     attention    SDPA math                         works
     compile      C++ compiler                      ...
@@ -34,6 +35,7 @@ import torch
 from perflab.bench import benchmark, format_seconds
 from perflab.device import device_name, pick_device
 from perflab.render import Table
+from perflab.torch_features import FEATURES, SUPPORTED, TESTED, in_supported_range
 
 __all__ = [
     "Check",
@@ -42,6 +44,7 @@ __all__ = [
     "distributed_checks",
     "doctor",
     "dtype_speed_checks",
+    "feature_checks",
     "machine_checks",
     "sdpa_checks",
     "triton_checks",
@@ -111,9 +114,28 @@ def version_checks() -> list[Check]:
     return [
         Check("versions", "python", platform.python_version()),
         Check("versions", "torch", torch.__version__),
+        Check("versions", "torch the course supports", _range_verdict()),
         Check("versions", "CUDA (torch built with)", cuda_build),
         Check("versions", "cuDNN", str(torch.backends.cudnn.version()) if torch.cuda.is_available() else "n/a"),
     ]
+
+
+def _range_verdict() -> str:
+    tested = f"tested on {', '.join(TESTED)}"
+    if in_supported_range():
+        return f"{SUPPORTED}: yours is in it ({tested})"
+    return f"{SUPPORTED}: yours is OUTSIDE it, so cells may fail ({tested})"
+
+
+def feature_checks() -> list[Check]:
+    """One row per API the course uses beyond the oldest supported torch that this torch lacks: the cells it affects."""
+    return [
+        Check(
+            "versions", f"needs torch >= {feature.since}", f"{feature.api}: {feature.used_in}; here {feature.without}"
+        )
+        for feature in FEATURES
+        if not feature.available
+    ] or [Check("versions", "newer torch APIs", f"all {len(FEATURES)} the course uses are here")]
 
 
 def dtype_speed_checks(device: torch.device, size: int = 512) -> list[Check]:
@@ -247,6 +269,7 @@ def doctor(device: str | torch.device | None = None) -> DoctorReport:
     checks = (
         machine_checks(device)
         + version_checks()
+        + feature_checks()
         + dtype_speed_checks(device)
         + sdpa_checks(device)
         + compile_checks(device)
