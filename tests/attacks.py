@@ -35,7 +35,9 @@ time.perf_counter = lambda: _start + (_real_clock() - _start) / 5   # a clock th
 
 # Everything of the course an answer cell can find: every notebook, database, JSON file and nbgrader configuration
 # it can see outside its own folder, the interpreter's, the data cache and its kernel's connection file (named on its
-# command line), and the course's folders where they would be.
+# command line), and the course's folders where they would be. The walk does not enter the granted folders (the
+# interpreter's, the operating system's, the data cache: hundreds of thousands of files, all skipped anyway), so its
+# work is what the sandbox holds beyond them, not the size of the installation: a second or so on any machine.
 LEAK_PROBE = """
 import os
 import sys
@@ -43,7 +45,11 @@ import sys
 _own, _leaks = os.getcwd(), []
 _granted = tuple(os.path.realpath(p) + "/" for p in {sys.prefix, sys.base_prefix, "/usr", os.environ["PERFLAB_DATA"]})
 for _root, _dirs, _files in os.walk("/"):
-    _dirs[:] = [d for d in _dirs if os.path.join(_root, d) not in ("/proc", "/sys", "/dev")]
+    _dirs[:] = [
+        d for d in _dirs
+        if os.path.join(_root, d) not in ("/proc", "/sys", "/dev")
+        and not (os.path.realpath(os.path.join(_root, d)) + "/").startswith(_granted)
+    ]
     for _name in _files:
         _path = os.path.join(_root, _name)
         if _path.startswith(_own + "/") or os.path.realpath(_path).startswith(_granted) or _path in sys.argv:

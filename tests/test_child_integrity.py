@@ -104,7 +104,7 @@ def _measure(runs_while_frozen) -> tuple[list[str], list[str]]:
 
         return _interleaved(children, run, lambda reference, candidate: None, rounds=rounds, labels=("a", "b"))
 
-    _, failures, problems = measure_until_decided(measure_once, 15)
+    _, failures, problems = measure_until_decided(measure_once, 15, threshold=1.5)
     return failures, problems
 
 

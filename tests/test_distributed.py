@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 from perflab.distributed import LaunchFailed, launch, run_as_one_rank
 
-# Rank 1 crashes, but its process lingers (a slow teardown), so rank 0, failing right after it as a rank does
-# when its peer is gone, is the first process torchrun sees exit. The error files' times say who failed first.
+# Rank 1 crashes, but its process lingers (a slow teardown: LINGER_S), so rank 0, failing right after it as a rank
+# does when its peer is gone, is the first process torchrun sees exit. The error files' times say who failed first.
+LINGER_S = 60
 CRASHING = textwrap.dedent("""
     import os, sys, threading, time
     from pathlib import Path
@@ -26,7 +27,7 @@ CRASHING = textwrap.dedent("""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         print(f"rank {rank} of {world}, arguments {sys.argv[1:]}", flush=True)
         if rank == 1:
-            threading.Thread(target=time.sleep, args=(30,)).start()  # keeps the process alive after the error
+            threading.Thread(target=time.sleep, args=(LINGER_S,)).start()  # keeps the process alive after the error
             raise ValueError("rank 1 broke")
         peer_error = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent.parent / "1" / "error.json"
         while not peer_error.exists():
@@ -34,7 +35,7 @@ CRASHING = textwrap.dedent("""
         raise ConnectionError("peer gone")
 
     main()
-""")
+""").replace("LINGER_S", str(LINGER_S))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,8 @@ def crashed(tmp_path_factory):
 
 def test_a_crashing_rank_fails_the_job_and_is_named_first(crashed):
     assert not crashed.ok and not crashed.timed_out and crashed.returncode != 0
-    assert crashed.seconds < 30, "torchrun stopped the lingering rank instead of waiting for it"
-    assert 0 < crashed.seconds_after_first_failure < 15
+    # Timed from the first failure, not from the start: how long the ranks take to import torch is not the question.
+    assert 0 < crashed.seconds_after_first_failure < LINGER_S / 2, "torchrun waited for the lingering rank"
     assert [failure.rank for failure in crashed.failures] == [1, 0]
     assert crashed.root_cause.error == "ValueError: rank 1 broke"
     assert crashed.root_cause.exitcode == -15, "rank 1 was still running when torchrun stopped it (SIGTERM)"

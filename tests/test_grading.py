@@ -13,10 +13,12 @@ import time
 from contextlib import redirect_stdout
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import perflab
 import psutil
 import pytest
+import torch
 from attacks import LEAK_PROBE
 from perflab.bench import Comparison, Timing
 from perflab.capstone import measure_submission, refusal
@@ -108,17 +110,201 @@ def _comparison(ratios: list[float]) -> Comparison:
     return Comparison(Timing("a", tuple(ratios)), Timing("b", (1.0,) * len(ratios)), confidence=0.9)
 
 
-def test_a_noisy_measurement_decides_nothing():
-    quiet, noisy = LoadMeter(), LoadMeter()
-    noisy.other_cores = 1.0
-    steady = _comparison([2.9, 3.0, 3.1, 3.0, 3.2])
-    assert noise_problems(steady, quiet) == []
-    assert "rounds disagree" in noise_problems(_comparison([3.3, 9.8, 27.2, 5.0, 12.0]), quiet)[0]
-    assert "cores busy" in noise_problems(steady, noisy)[0]
-    verdict = Verdict.decide("9.77x", failures=[], problems=noise_problems(steady, noisy))
+def _load(other_cores: float) -> LoadMeter:
+    meter = LoadMeter()
+    meter.other_cores = other_cores
+    return meter
+
+
+# The issue's rounds on a slow machine: a 3.20x median whose 90% interval, 2.85x-4.14x, is wide but wholly over 2x.
+WIDE_ABOVE = [2.85, 3.0, 3.2, 3.5, 4.14]
+
+
+def test_a_wide_interval_wholly_past_the_threshold_decides_and_reports_the_figure():
+    rounds = _comparison(WIDE_ABOVE)
+    assert rounds.interval == (2.85, 4.14) and rounds.interval[1] / rounds.interval[0] > 1.3
+    assert noise_problems(rounds, _load(0.0), threshold=2.0) == []
+    verdict = Verdict.decide("3.20x median (90% CI 2.85x-4.14x)", failures=[], problems=[])
+    assert verdict.status == "pass" and "PASS\n3.20x median (90% CI 2.85x-4.14x)" in verdict.text()
+    below = _comparison([1.2, 1.4, 1.5, 1.7, 1.9])  # as wide, wholly under 2x: a decided fail
+    assert noise_problems(below, _load(0.0), threshold=2.0) == []
+
+
+def test_an_interval_that_straddles_the_threshold_leaves_the_verdict_open():
+    straddling = _comparison([1.8, 1.9, 2.1, 2.2, 2.3])
+    problems = noise_problems(straddling, _load(0.0), threshold=2.0)
+    assert problems == ["the rounds leave pass or fail open: their 90% CI 1.80x-2.30x straddles the 2x threshold"]
+    verdict = Verdict.decide("2.10x", failures=[], problems=problems)
     assert verdict.status == "inconclusive" and verdict.reasons[0] == INCONCLUSIVE and not verdict.passed
+    # At its ends: an interval that starts at the threshold decides (every median in it reaches it), one that ends there
+    # does not (its median may fall short).
+    assert noise_problems(_comparison([2.0, 2.1, 2.2, 2.3, 2.4]), _load(0.0), threshold=2.0) == []
+    assert noise_problems(_comparison([1.6, 1.7, 1.8, 1.9, 2.0]), _load(0.0), threshold=2.0) != []
+
+
+def test_interference_leaves_the_verdict_open_whatever_the_interval():
+    steady = _comparison([2.9, 3.0, 3.1, 3.0, 3.2])
+    problems = noise_problems(steady, _load(1.0), threshold=2.0)
+    assert len(problems) == 1 and "cores busy" in problems[0]
+    verdict = Verdict.decide("3.00x", failures=[], problems=problems)
+    assert verdict.status == "inconclusive" and verdict.reasons[0] == INCONCLUSIVE
     assert Verdict.decide("1.2x", failures=["too slow"]).status == "fail"
     assert Verdict.from_dict(verdict.to_dict()) == verdict
+
+
+def _measure_once(ratios_by_rounds: dict[int, list[float]], other_cores: float = 0.0):
+    """A stand-in for one measurement of ``rounds`` interleaved rounds, with its calls recorded."""
+    calls = []
+
+    def measure_once(rounds: int):
+        calls.append(rounds)
+        return _comparison(ratios_by_rounds[rounds]), [], _load(other_cores), 0
+
+    return measure_once, calls
+
+
+def test_a_decided_first_measurement_is_not_measured_again_and_an_open_one_stops_at_its_bound():
+    from perflab.grading.code_labs import measure_until_decided
+
+    measure_once, calls = _measure_once({5: WIDE_ABOVE})
+    comparison, failures, problems = measure_until_decided(measure_once, 5, threshold=2.0)
+    assert calls == [5] and failures == problems == [] and comparison.speedup == 3.2
+
+    open_ratios = {5: [1.8, 1.9, 2.1, 2.2, 2.3], 10: [1.7, 1.8, 1.9, 2.0, 2.0, 2.1, 2.1, 2.2, 2.3, 2.4]}
+    measure_once, calls = _measure_once(open_ratios)
+    _, failures, problems = measure_until_decided(measure_once, 5, threshold=2.0)
+    assert calls == [5, 10], "measured once more with twice the rounds, and no more"
+    assert failures == [] and "straddles the 2x threshold" in problems[0]
+
+    measure_once, calls = _measure_once({5: WIDE_ABOVE, 10: WIDE_ABOVE * 2}, other_cores=1.0)
+    _, _, problems = measure_until_decided(measure_once, 5, threshold=2.0)
+    assert calls == [5, 10] and "cores busy" in problems[0]
+
+
+def _epochs(ratios: list[float]) -> list[list[SimpleNamespace]]:
+    """One-epoch trials of the baseline and a candidate, ``ratios[i]`` times faster in round i."""
+    environment = SimpleNamespace(device="cpu", threads=2)
+    sides = [[10.0 * ratio for ratio in ratios], [10.0] * len(ratios)]
+    return [
+        [
+            SimpleNamespace(
+                train_s=seconds, samples=5000, samples_per_s=5000 / seconds, model_parameters=1, environment=environment
+            )
+            for seconds in side
+        ]
+        for side in sides
+    ]
+
+
+@pytest.mark.parametrize(
+    "ratios, other_cores, status, measurements",
+    [
+        (WIDE_ABOVE, 0.0, "pass", 1),  # the issue's rounds: decided at the first measurement
+        ([1.8, 1.9, 2.1, 2.2, 2.3], 0.0, "inconclusive", 2),
+        ([2.9, 3.0, 3.1, 3.0, 3.2], 1.0, "inconclusive", 2),
+    ],
+)
+def test_lab12s_regrade_decides_when_the_interval_lies_past_2x(monkeypatch, ratios, other_cores, status, measurements):
+    import perflab.grading.capstone_lab as capstone_lab
+
+    measured = []
+
+    def measure_speeds(configs, *, rounds, device, log=None, max_steps=None):
+        measured.append(rounds)
+        return _epochs(ratios * (rounds // len(ratios))), _load(other_cores)
+
+    monkeypatch.setattr(capstone_lab, "measure_speeds", measure_speeds)
+    monkeypatch.setattr(capstone_lab, "train", lambda *args, **kwargs: SimpleNamespace(val_accuracy=0.5))
+    monkeypatch.setattr(capstone_lab, "baseline_accuracy", lambda *args: 0.5)
+    handed = {"test_regrade": {"final_config": {"TrainConfig": dataclasses.asdict(OPTIMIZED)}}}
+    verdict = capstone_lab.grade_capstone_lab(handed, device=torch.device("cpu"), log=lambda line: None)["test_regrade"]
+    assert verdict.status == status and len(measured) == measurements, verdict
+    if status == "pass":
+        assert verdict.measured.startswith("final_config over the naive baseline: 3.20x median (90% CI 2.85x-4.14x)")
+
+
+def test_lab12_measures_again_only_the_configurations_of_the_cells_left_open(monkeypatch):
+    import perflab.grading.capstone_lab as capstone_lab
+
+    data = replace(NAIVE, name="data", pipeline="cached")
+    batch = replace(data, name="batch", batch_size=64)
+    seconds = {  # per round: final_config's ratio is decided above 2x, batch_config's straddles 1.2x
+        NAIVE.name: [10.0 * ratio for ratio in WIDE_ABOVE],
+        OPTIMIZED.name: [10.0] * 5,
+        "data": [12.0] * 5,
+        "batch": [12.0 / ratio for ratio in (1.14, 1.17, 1.21, 1.25, 1.28)],
+    }
+    environment, timed = SimpleNamespace(device="cpu", threads=2), []
+
+    def measure_speeds(configs, *, rounds, device, log=None, max_steps=None):
+        timed.append([config.name for config in configs])
+        trials = [
+            [
+                SimpleNamespace(train_s=s, samples=5000, samples_per_s=5000 / s, environment=environment)
+                for s in (seconds[config.name] * 2)[:rounds]
+            ]
+            for config in configs
+        ]
+        return trials, _load(0.0)
+
+    monkeypatch.setattr(capstone_lab, "measure_speeds", measure_speeds)
+    monkeypatch.setattr(capstone_lab, "train", lambda *args, **kwargs: SimpleNamespace(val_accuracy=0.5))
+    monkeypatch.setattr(capstone_lab, "baseline_accuracy", lambda *args: 0.5)
+    handed = {
+        "test_batch": {"batch_config": {"TrainConfig": dataclasses.asdict(batch)}},
+        "test_regrade": {"final_config": {"TrainConfig": dataclasses.asdict(OPTIMIZED)}},
+    }
+    handed["test_batch"]["data_config"] = {"TrainConfig": dataclasses.asdict(data)}
+    verdicts = capstone_lab.grade_capstone_lab(handed, device=torch.device("cpu"), log=lambda line: None)
+    assert timed == [["data", "batch", NAIVE.name, OPTIMIZED.name], ["data", "batch"]]
+    assert verdicts["test_regrade"].status == "pass", "decided in the first measurement, kept"
+    assert "3.20x median (90% CI 2.85x-4.14x)" in verdicts["test_regrade"].measured
+    assert verdicts["test_batch"].status == "inconclusive" and "straddles the 1.2x" in verdicts["test_batch"].reasons[1]
+
+
+@pytest.mark.parametrize(
+    "ratios, other_cores, status", [(WIDE_ABOVE, 0.0, "pass"), ([1.8, 1.9, 2.1, 2.2, 2.3], 0.0, "inconclusive")]
+)
+def test_the_learners_own_check_decides_by_the_same_rule(monkeypatch, ratios, other_cores, status):
+    import perflab.capstone as capstone
+
+    monkeypatch.setattr(
+        capstone,
+        "measure_speeds",
+        lambda configs, *, rounds, device, log=None: (_epochs(ratios * (rounds // len(ratios))), _load(other_cores)),
+    )
+    monkeypatch.setattr(capstone, "train", lambda *args, **kwargs: SimpleNamespace(val_accuracy=0.5))
+    monkeypatch.setattr(capstone, "baseline_accuracy", lambda *args: 0.5)
+    grade = measure_submission(OPTIMIZED, device="cpu")
+    assert grade.status == status, grade
+    if status == "pass":
+        assert grade.interval == pytest.approx(
+            (2.85, 4.14)
+        ) and "PASS: 3.20x median speedup (90% CI 2.85x-4.14x" in repr(grade)
+
+
+@pytest.mark.parametrize(
+    "ratios, keep_amp, status",
+    [
+        ([1.2, 1.3, 1.4, 1.5, 1.6], False, "fail"),  # wholly faster than the margin: it should have been kept
+        ([0.95, 1.0, 1.1, 1.3, 1.4], True, "pass"),  # wide, but wholly over 0.9x: keeping it is never clearly wrong
+        ([1.05, 1.08, 1.1, 1.12, 1.15], False, "inconclusive"),  # narrow, across 1.1x: leaving it out may be wrong
+        ([0.5, 0.6, 0.7, 0.8, 0.85], False, "pass"),
+    ],
+)
+def test_lab12s_amp_cell_is_open_only_when_its_interval_straddles_the_margin_its_answer_faces(
+    monkeypatch, ratios, keep_amp, status
+):
+    import perflab.grading.capstone_lab as capstone_lab
+
+    def measure_speeds(configs, *, rounds, device, log=None, max_steps=None):
+        return _epochs(ratios * (rounds // len(ratios))), _load(0.0)
+
+    monkeypatch.setattr(capstone_lab, "measure_speeds", measure_speeds)
+    batch = replace(NAIVE, name="batch", pipeline="cached", batch_size=64)
+    configs = {"amp_config": replace(batch, name="amp", amp_dtype="bfloat16"), "batch_config": batch}
+    verdict = capstone_lab._grade_amp(configs, keep_amp, torch.device("cpu"), lambda line: None, 5)
+    assert verdict.status == status, verdict
 
 
 def test_the_load_meter_sees_a_busy_neighbour():
@@ -320,7 +506,7 @@ def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():
         return None if candidate == reference else "the candidate's result differs"
 
     comparison, failures, problems = measure_until_decided(
-        lambda n: _interleaved(children, run, check, rounds=n, labels=("reference", "yours")), 15
+        lambda n: _interleaved(children, run, check, rounds=n, labels=("reference", "yours")), 15, threshold=1.5
     )
     assert failures == ["the candidate's result differs"] and problems == []
     assert children[1].runs == 3 and len(comparison.ratios) == 3, "no timing after the first wrong result"
@@ -427,11 +613,13 @@ def test_a_notebook_of_cells_each_under_the_cell_limit_still_ends_at_the_noteboo
     from nbclient.exceptions import CellTimeoutError
     from perflab.grading.nbgrader import SandboxedExecute
 
-    cells = ["import time\ntime.sleep(1)\nprint('ran')", "time.sleep(30)", "time.sleep(30)", "print('never')"]
+    # The notebook's limit counts from before its kernel starts: 20 s leave a slow machine room to start a sandboxed
+    # kernel and run the first cell. Its cells, each under the 100 s cell limit, would take 181 s in all.
+    cells = ["import time\ntime.sleep(1)\nprint('ran')", "time.sleep(90)", "time.sleep(90)", "print('never')"]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     start = time.perf_counter()
     with pytest.raises(CellTimeoutError):
-        SandboxedExecute(timeout=40, notebook_timeout=4).preprocess(notebook, {"metadata": {"path": str(tmp_path)}})
-    assert time.perf_counter() - start < 25, "the notebook ran past its limit"
+        SandboxedExecute(timeout=100, notebook_timeout=20).preprocess(notebook, {"metadata": {"path": str(tmp_path)}})
+    assert time.perf_counter() - start < 20 + 30, "the notebook ran past its limit"
     assert notebook.cells[0].outputs[0].text == "ran\n" and not notebook.cells[3].outputs

@@ -90,3 +90,54 @@ def test_a_meter_replaces_the_operator_count_for_the_peak():
     by_allocator = measure_tradeoff(variants, parameters=[weight], rounds=1, device="cpu", meter=allocator_peak)
     assert by_allocator.variants[0].peak_bytes >= by_operators.variants[0].peak_bytes > 0
     assert by_allocator.variants[0].saved_bytes == by_operators.variants[0].saved_bytes
+
+
+def test_held_counts_what_the_forward_pass_leaves_held_the_loss_included_the_inputs_not():
+    weight = torch.randn(1000, 1000, requires_grad=True)
+    variants = {"exp": lambda: weight.exp().sum(), "times two": lambda: (weight * 2).sum()}
+    saved = measure_tradeoff(variants, parameters=[weight], rounds=1, device="cpu")
+    held = measure_tradeoff(variants, parameters=[weight], rounds=1, device="cpu", kept="held")
+    loss_bytes = torch.ones(()).nbytes
+    assert held["exp"].saved_bytes == saved["exp"].saved_bytes + loss_bytes == weight.nbytes + loss_bytes
+    assert held["times two"].saved_bytes == loss_bytes  # weight * 2 is freed once sum has it: nothing kept
+    assert held["exp"].peak_bytes == saved["exp"].peak_bytes  # the peak is counted the same way either way
+    assert "left held" in held.caption and "left held" not in saved.caption
+
+
+def test_held_sees_what_selective_checkpointing_keeps_outside_the_hooks_on_every_torch():
+    import functools
+
+    from perflab import torch_features
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    x = torch.randn(64, 32)
+    w1, w2 = torch.randn(32, 128, requires_grad=True), torch.randn(128, 32, requires_grad=True)
+
+    def block(x):
+        return (x @ w1).sin() @ w2  # two matmuls, and a pointwise op to recompute between them
+
+    save_matmuls = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    variants = {
+        "full": lambda: checkpoint(block, x, use_reentrant=False).sum(),
+        "selective": lambda: checkpoint(block, x, use_reentrant=False, context_fn=save_matmuls).sum(),
+    }
+    matmul_outputs = (64 * 128 + 64 * 32) * 4
+    by_kept = {kept: measure_tradeoff(variants, parameters=[w1, w2], rounds=1, kept=kept) for kept in ("saved", "held")}
+    held = by_kept["held"]
+    assert held["selective"].saved_bytes - held["full"].saved_bytes == matmul_outputs
+    # without respect_saved_tensors_hooks=True the hooks never see the policy's outputs: on no torch do they count
+    saved = by_kept["saved"]
+    assert saved["selective"].saved_bytes == saved["full"].saved_bytes
+    if torch_features.has("checkpoint_respects_saved_tensors_hooks"):  # with it, they do: the same difference
+        respect = functools.partial(checkpoint, use_reentrant=False, respect_saved_tensors_hooks=True)
+        variants = {
+            "full": lambda: respect(block, x).sum(),
+            "selective": lambda: respect(block, x, context_fn=save_matmuls).sum(),
+        }
+        counted = measure_tradeoff(variants, parameters=[w1, w2], rounds=1)
+        assert counted["selective"].saved_bytes - counted["full"].saved_bytes == matmul_outputs
+
+
+def test_kept_is_saved_or_held():
+    with pytest.raises(ValueError, match='kept must be "saved" or "held"'):
+        measure_tradeoff({"a": lambda: torch.ones(1, requires_grad=True).sum()}, parameters=[], kept="peak")

@@ -10,6 +10,8 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from perflab import torch_features
 from perflab.memory import peak_memory
 from perflab.memory_budget import estimate_training_memory
 from perflab.models import GPTConfig
@@ -28,6 +30,14 @@ from perflab.sharding import (
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.profiler import ProfilerActivity, profile, record_function
+
+# torch >= 2.13's names for the same collectives, which older torch calls by the names they replaced
+if torch_features.has("c10d_single_collectives"):
+    all_gather_single, reduce_scatter_single = dist.all_gather_single, dist.reduce_scatter_single
+    functional_all_gather, functional_reduce_scatter = funcol.all_gather_single, funcol.reduce_scatter_single
+else:
+    all_gather_single, reduce_scatter_single = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+    functional_all_gather, functional_reduce_scatter = funcol.all_gather_tensor, funcol.reduce_scatter_tensor
 
 CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=32)
 WORKLOAD = dict(batch_size=2, seq_len=16)
@@ -144,19 +154,33 @@ def profiled_collectives(inside_a_python_mode: bool):
         dist.all_reduce(small)  # outside the window: not counted
         with record_function("step"), peak_memory() if inside_a_python_mode else contextlib.nullcontext():
             dist.all_reduce(big)
-            dist.all_reduce(big)
+            dist.all_reduce(big.bfloat16())  # two bytes an element
             dist.broadcast(small, src=0)
-            dist.all_gather_single(gathered, small)
-            dist.reduce_scatter_single(slice_, big)
+            all_gather_single(gathered, small)
+            reduce_scatter_single(slice_, big)
+        dist.barrier()
     return profile_collectives(profiled, "step")
 
 
+@pytest.fixture(params=["FunctionEvent.input_dtypes", "Kineto events"])
+def dtypes_from(request, monkeypatch):
+    """Where profile_collectives reads the dtypes: torch >= 2.12's FunctionEvent, or the Kineto events older torch has."""
+    if request.param == "Kineto events":
+        detected = torch_features._detected
+        monkeypatch.setattr(
+            torch_features, "_detected", lambda name: name != "profiler_input_dtypes" and detected(name)
+        )
+    elif not torch_features.has("profiler_input_dtypes"):
+        pytest.skip(f"torch {torch.__version__}'s FunctionEvent has no input_dtypes")
+    return request.param
+
+
 @pytest.mark.parametrize("inside_a_python_mode", [False, True])
-def test_collectives_are_counted_with_their_sizes_and_what_gloo_ran(world_of_one, inside_a_python_mode):
+def test_collectives_are_counted_with_their_sizes_and_what_gloo_ran(world_of_one, dtypes_from, inside_a_python_mode):
     # Inside a TorchDispatchMode (peak_memory's) the profiler records each c10d operator twice, nested.
     found = {collective.kind: collective for collective in profiled_collectives(inside_a_python_mode).collectives}
     assert {kind: (c.count, c.payload, c.ran_as) for kind, c in found.items()} == {
-        "all-reduce": (2, 2 * 300 * 4, "gloo:all_reduce"),
+        "all-reduce": (2, 300 * 4 + 300 * 2, "gloo:all_reduce"),
         "broadcast": (1, 20 * 4, "gloo:broadcast"),
         "all-gather": (1, 20 * 4, "gloo:all_gather"),
         "reduce-scatter": (1, 300 * 4, "gloo:all_reduce"),  # gloo has no reduce-scatter of its own
@@ -204,17 +228,30 @@ def test_a_window_must_be_in_the_profile_once(world_of_one):
         profile_collectives(profiled, "step")
 
 
-def test_dtensors_functional_collectives_are_counted_too(world_of_one):
-    import torch.distributed._functional_collectives as funcol
-
-    big, small = torch.ones(300), torch.ones(20)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled, record_function("step"):
-        funcol.all_reduce(big, "sum", dist.group.WORLD).wait()
-        funcol.all_gather_single(small, 0, dist.group.WORLD).wait()
-        funcol.reduce_scatter_single(big, "sum", 0, dist.group.WORLD).wait()
+def test_dtensors_functional_collectives_are_counted_too(world_of_one, dtypes_from):
+    big, small = torch.ones(300), torch.ones(20, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled:
+        with record_function("step"):
+            funcol.all_reduce(big, "sum", dist.group.WORLD).wait()
+            functional_all_gather(small, 0, dist.group.WORLD).wait()
+            functional_reduce_scatter(big, "sum", 0, dist.group.WORLD).wait()
+        dist.barrier()
     found = {c.kind: (c.count, c.payload, c.ran_as) for c in profile_collectives(profiled, "step").collectives}
     assert found == {
         "all-reduce": (1, 300 * 4, "gloo:all_reduce"),
-        "all-gather": (1, 20 * 4, "gloo:all_gather"),  # the output: the input times the group's size, here 1
+        "all-gather": (1, 20 * 2, "gloo:all_gather"),  # the output: the input times the group's size, here 1
         "reduce-scatter": (1, 300 * 4, "gloo:all_reduce"),
     }
+
+
+def test_both_ways_of_reading_the_dtypes_agree_on_every_event(world_of_one):
+    if not torch_features.has("profiler_input_dtypes"):
+        pytest.skip(f"torch {torch.__version__}'s FunctionEvent has no input_dtypes to compare with")
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled:
+        dist.all_reduce(torch.ones(8, dtype=torch.bfloat16))
+        torch.ones(4, dtype=torch.float16).sum()
+        dist.barrier()
+    recorded = {event.correlation_id(): event.dtypes() for event in profiled.profiler.kineto_results.events()}
+    events = profiled.events()
+    assert {"gloo:all_reduce", "aten::sum"} <= {event.name for event in events}
+    assert all(recorded[event.id] == event.input_dtypes for event in events)

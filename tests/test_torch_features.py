@@ -69,7 +69,7 @@ def test_an_unknown_feature_is_an_error_naming_the_known_ones():
 def test_the_doctor_names_each_missing_feature_and_its_cells(monkeypatch):
     monkeypatch.setattr(torch_features, "_detected", lambda _: False)
     rows = [(check.name, check.result) for check in feature_checks()]
-    assert rows == [(f"needs torch >= {f.since}", f"{f.api}: {f.used_in}; here {f.without}") for f in FEATURES]
+    assert rows == [(f"from torch {f.since}", f"{f.api}: {f.used_in}; here {f.without}") for f in FEATURES]
     assert str(torch_features.features()).count(" no ") >= len(FEATURES)
     monkeypatch.setattr(torch_features, "_detected", lambda _: True)
     assert [check.result for check in feature_checks()] == [f"all {len(FEATURES)} the course uses are here"]

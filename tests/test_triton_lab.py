@@ -80,3 +80,5 @@ def test_a_kernel_that_never_ends_fails_within_the_bound(monkeypatch):
     verdicts = triton_lab._forward_verdicts({"course": COURSE, "learner": {"flash_kernel": looping}})
     for verdict in verdicts.values():
         assert verdict.status == "fail" and "did not finish within 10 s" in verdict.reasons[0], verdict
+        # The interpreter's child hit the bound, not Triton's frontend, which has the same one (half a second here).
+        assert verdict.reasons[0].startswith("the answer did not finish"), verdict

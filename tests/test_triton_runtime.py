@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,51 @@ def test_the_course_runs_kernels_interpreted_only_once_one_has_run_so(monkeypatc
     monkeypatch.setattr(triton_runtime, "_INTERPRETER_CHILD", "import sys; sys.exit('the interpreter is broken')")
     broken = course_triton_mode()
     assert broken.mode == "unavailable" and "the interpreter is broken" in broken.reason, broken
+
+
+# A kernel that walks a row in blocks up to a runtime length, as the course's softmax, matmul and attention do, run
+# under TRITON_INTERPRET=1 in a fresh process: before patch_interpreter, then after it.
+LOOP_TO_RUNTIME_BOUND = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton
+import triton.language as tl
+from perflab import torch_features
+from perflab.triton_runtime import patch_interpreter
+
+
+@triton.jit
+def row_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        total += tl.load(x_ptr + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr, tl.sum(total, axis=0))
+
+
+def run():
+    out = torch.zeros(1)
+    try:
+        row_sum[(1,)](torch.arange(100.0), out, 100, BLOCK=32)
+    except Exception as error:
+        return type(error).__name__
+    return out.item()
+
+
+shipped = run()
+print(json.dumps([torch_features.has("interpreter_runtime_loop_bounds"), shipped, patch_interpreter(), run()]))
+"""
+
+
+def test_the_interpreter_loops_to_a_runtime_bound_patched_only_where_its_triton_cannot(tmp_path):
+    script = tmp_path / "loop.py"  # a file: the interpreter reads a kernel's source
+    script.write_text(LOOP_TO_RUNTIME_BOUND)
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    has_feature, shipped, patched, after = json.loads(child.stdout.strip().splitlines()[-1])
+    assert has_feature is (shipped == 4950.0), f"the feature says {has_feature}, the interpreter as shipped: {shipped}"
+    assert patched is not has_feature, "patched where, and only where, the interpreter lacked the fix"
+    assert after == 4950.0, f"after patch_interpreter the kernel gave {after}"
 
 
 def test_the_mode_says_why():

@@ -24,8 +24,21 @@ from perflab.grading.whole_class import MEASURED_RESOURCE, ClassGrading, Submiss
 from perflab.grading.working_copy import Graded, _failure_reason, autograde_fields, machine_lock
 
 LAB = "lab01_timing"
-CELL_TIMEOUT_S = 15  # a solved lab 01 cell takes about a second; three gradings share the 2 cores here
 DASK = str(Path(sys.executable).parent / "dask")
+
+
+@pytest.fixture(scope="module")
+def cell_timeout_s() -> int:
+    """The per-cell limit the class is graded with: long enough for every cell of a solved lab 01 on this machine,
+    short enough that the hanging submission ends soon.
+
+    The slowest cell is the setup cell, which imports perflab (and with it torch): timed here in a fresh Python, then
+    given six times that, as three gradings share the 2 cores during the test (1.5x) and with room for the load to
+    vary (4x); 15 s at least. The leak probe's cell walks only what the sandbox holds beyond the interpreter's
+    folders, a second or so (``tests/attacks.py``)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import perflab\nperflab.pick_device()"], check=True, timeout=600)
+    return max(15, round(6 * (time.perf_counter() - start)))
 
 
 def _grade_id(cell) -> str | None:
@@ -99,7 +112,7 @@ def _fields(course: NbgraderCourse, lab: str, students) -> dict:
 
 
 @pytest.mark.slow
-def test_a_class_graded_on_dask_equals_serial_autograde(released_course, scheduler, tmp_path):
+def test_a_class_graded_on_dask_equals_serial_autograde(released_course, scheduler, cell_timeout_s, tmp_path):
     dask_course = _class(released_course, tmp_path / "dask", solved=2, untouched=2)
     broken = dask_course.root / "submitted" / "broken" / LAB
     broken.mkdir(parents=True)
@@ -114,10 +127,10 @@ def test_a_class_graded_on_dask_equals_serial_autograde(released_course, schedul
     # `python -m nbgrader` from the course's folder (its folder on sys.path).
     with concurrent.futures.ThreadPoolExecutor(1) as serial:
         serial_run = serial.submit(
-            serial_course.run, "autograde", LAB, f"--Execute.timeout={CELL_TIMEOUT_S}", as_module=True
+            serial_course.run, "autograde", LAB, f"--Execute.timeout={cell_timeout_s}", as_module=True
         )
         result = grade_class(
-            dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=CELL_TIMEOUT_S, progress=False
+            dask_course.root, LAB, scheduler=scheduler[0], cell_timeout_s=cell_timeout_s, progress=False
         )
         with pytest.raises(AssertionError, match="error processing assignment 'lab01_timing' for student 'broken'"):
             serial_run.result()

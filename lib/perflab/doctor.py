@@ -131,7 +131,7 @@ def feature_checks() -> list[Check]:
     """One row per API the course uses beyond the oldest supported torch that this torch lacks: the cells it affects."""
     return [
         Check(
-            "versions", f"needs torch >= {feature.since}", f"{feature.api}: {feature.used_in}; here {feature.without}"
+            "versions", f"from torch {feature.since}", f"{feature.api}: {feature.used_in}; here {feature.without}"
         )
         for feature in FEATURES
         if not feature.available

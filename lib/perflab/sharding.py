@@ -41,11 +41,13 @@ Used in: lecture 07 (ddp), lecture 09 (sharding), lecture 11 (tensor pipeline pa
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 
+from perflab import torch_features
 from perflab.memory_budget import estimate_over_measured, estimate_training_memory
 from perflab.models.gpt import GPTConfig
 from perflab.render import Table
@@ -336,6 +338,8 @@ def profile_collectives(profile: torch.profiler.profile, window: str) -> StepCol
     Profile with ``record_shapes=True``: c10d records the shapes of an all-gather's output and a
     reduce-scatter's input, gloo those of every tensor it sends. gloo runs a reduce-scatter as an
     all-reduce of the whole input, which its size tells apart from an all-reduce issued as such.
+    End the profile with a ``dist.barrier()``: gloo closes a collective's record just after it has
+    handed back the result, and a record still open when the profiler stops is lost.
     """
     events = sorted(profile.events(), key=lambda event: event.time_range.start)
     windows = [event for event in events if event.name == window]
@@ -343,7 +347,17 @@ def profile_collectives(profile: torch.profiler.profile, window: str) -> StepCol
         raise ValueError(f"expected one region named {window!r} in the profile, found {len(windows)}")
     start, end = windows[0].time_range.start, windows[0].time_range.end
     inside = [event for event in events if start <= event.time_range.start <= end]
-    return StepCollectives(seconds=(end - start) / 1e6, collectives=_collectives(inside))
+    return StepCollectives(seconds=(end - start) / 1e6, collectives=_collectives(inside, _input_dtypes(profile)))
+
+
+def _input_dtypes(profile: torch.profiler.profile) -> Callable[[FunctionEvent], list[str]]:
+    """How to read an event's input dtypes: ``FunctionEvent.input_dtypes`` (torch >= 2.12), or the Kineto event's."""
+    if torch_features.has("profiler_input_dtypes"):
+        return lambda event: event.input_dtypes
+    # Older torch records the same dtypes but drops them when it builds FunctionEvents, whose ids are the
+    # correlation ids of the Kineto events they are built from.
+    recorded = {event.correlation_id(): event.dtypes() for event in profile.profiler.kineto_results.events()}
+    return lambda event: recorded[event.id]
 
 
 class SentBytes:
@@ -411,8 +425,8 @@ def _bytes(shape: list[int], dtype: str) -> int:
     return torch.Size(shape).numel() * itemsize[dtype]
 
 
-def _collectives(events: list) -> tuple[Collective, ...]:
-    """What c10d issued, paired with what gloo ran for it; ``events`` in time order."""
+def _collectives(events: list, dtypes: Callable[[FunctionEvent], list[str]]) -> tuple[Collective, ...]:
+    """What c10d issued, paired with what gloo ran for it; ``events`` in time order, ``dtypes`` their input dtypes."""
     issued, payload, scatters = Counter(), Counter(), Counter()
     outer_end = -1.0
     for event in events:
@@ -423,10 +437,11 @@ def _collectives(events: list) -> tuple[Collective, ...]:
         issued[kind] += 1
         functional = event.name.startswith(_FUNCTIONAL)
         if kind == "all-gather":  # c10d's shapes: output, input; a functional one's: input, group size
-            size = _bytes(event.input_shapes[0], event.input_dtypes[0])
+            size = _bytes(event.input_shapes[0], dtypes(event)[0])
             payload[kind] += size * event.concrete_inputs[1] if functional else size
         elif kind == "reduce-scatter":  # c10d's: output, input; a functional one's: input
-            size = _bytes(event.input_shapes[0 if functional else 1], event.input_dtypes[0 if functional else 1])
+            which = 0 if functional else 1
+            size = _bytes(event.input_shapes[which], dtypes(event)[which])
             payload[kind] += size
             scatters[size] += 1
     ran, seconds, ran_as = Counter(), Counter(), {}
@@ -434,7 +449,7 @@ def _collectives(events: list) -> tuple[Collective, ...]:
         kind = _RUN_BY_GLOO.get(event.name)
         if kind is None:
             continue
-        size = _bytes(event.input_shapes[0], event.input_dtypes[0])
+        size = _bytes(event.input_shapes[0], dtypes(event)[0])
         if kind == "all-reduce" and scatters[size] > 0:
             scatters[size] -= 1
             kind = "reduce-scatter"
@@ -444,5 +459,8 @@ def _collectives(events: list) -> tuple[Collective, ...]:
         seconds[kind] += (event.time_range.end - event.time_range.start) / 1e6
         ran_as[kind] = event.name
     if ran != issued:
-        raise RuntimeError(f"c10d issued {dict(issued)} but gloo ran {dict(ran)}: is the backend gloo?")
+        raise RuntimeError(
+            f"c10d issued {dict(issued)} but gloo ran {dict(ran)}: is the backend gloo, "
+            "and did the ranks pass a dist.barrier() before the profile ended?"
+        )
     return tuple(Collective(kind, issued[kind], payload[kind], seconds[kind], ran_as[kind]) for kind in sorted(issued))

@@ -19,7 +19,7 @@ older one where it does not; where only a newer torch can do a thing, a cell cal
 :func:`require`, which prints one line saying what it needs and which torch the learner has,
 and the lecture goes on.
 
-Used in: lectures 04, 05, 07, 09, 10, 11; perflab doctor.
+Used in: lectures 05, 09 and lab 09; by perflab.doctor, perflab.sharding and perflab.triton_runtime.
 """
 
 from __future__ import annotations
@@ -100,10 +100,29 @@ def _checkpoint_has_respect_hooks() -> bool:
     return _has_parameter(checkpoint, "respect_saved_tensors_hooks")
 
 
+def _checkpoint_policy_sees_op_output() -> bool:
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    return _has_parameter(SelectiveCheckpointContext.__init__, "op_output")
+
+
 def _profiler_records_input_dtypes() -> bool:
     from torch.autograd.profiler_util import FunctionEvent
 
     return _has_parameter(FunctionEvent.__init__, "input_dtypes")
+
+
+def _c10d_has_single_collectives() -> bool:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    return all(hasattr(api, name) for api in (dist, funcol) for name in ("all_gather_single", "reduce_scatter_single"))
+
+
+def _interpreter_loops_to_runtime_bounds() -> bool:
+    from perflab.triton_runtime import interpreter_loops_to_runtime_bounds
+
+    return interpreter_loops_to_runtime_bounds()
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -111,17 +130,43 @@ FEATURES: tuple[Feature, ...] = (
         "checkpoint_respects_saved_tensors_hooks",
         "checkpoint(..., respect_saved_tensors_hooks=True)",
         "2.14",
-        "lecture 05: selective checkpointing's saved tensors counted by perflab.memory.saved_tensors",
-        "what selective checkpointing keeps is measured as peak memory instead of counted tensor by tensor",
+        "lecture 05: what selective checkpointing keeps, counted by perflab.memory.saved_tensors "
+        "(its trade-off table, the torch.compile budget table, exercise 2's check)",
+        "what selective checkpointing keeps is counted as what each forward pass leaves held "
+        "(measure_tradeoff(kept=\"held\"), peak_memory's held_bytes), which sees the policy's outputs too",
         _checkpoint_has_respect_hooks,
+    ),
+    Feature(
+        "checkpoint_policy_sees_op_output",
+        "ctx.op_output in a selective checkpointing policy, called after the operation ran",
+        "2.12",
+        "lecture 05: the operators a selective checkpointing policy kept or recomputed, and the bytes it kept",
+        "the cell shows the measured memory and time without the policy's own record of operators and bytes",
+        _checkpoint_policy_sees_op_output,
     ),
     Feature(
         "profiler_input_dtypes",
         "torch.profiler's FunctionEvent.input_dtypes",
         "2.12",
         "lectures 07, 09, 11: the bytes of each collective (perflab.sharding.profile_collectives)",
-        "the collectives' bytes are read from their shapes and the model's dtype",
+        "profile_collectives reads the same dtypes off the profiler's Kineto events: the same bytes",
         _profiler_records_input_dtypes,
+    ),
+    Feature(
+        "interpreter_runtime_loop_bounds",
+        "triton 3.7's interpreter: a loop to a kernel's runtime argument, range(0, n, BLOCK), under NumPy >= 2.4",
+        "2.12",
+        "lecture 10 and lab 10 (and its grader): every kernel that loops over a row or a sequence, without a GPU",
+        "perflab.triton_runtime.patch_interpreter gives the interpreter triton 3.7's fix, and the kernels run as written",
+        _interpreter_loops_to_runtime_bounds,
+    ),
+    Feature(
+        "c10d_single_collectives",
+        "torch.distributed.all_gather_single and reduce_scatter_single (and the functional collectives')",
+        "2.13",
+        "lecture 09's collectives counted one by one, lab 09's ZeRO-1 solution",
+        "they call the same collectives by their older names, all_gather_into_tensor and reduce_scatter_tensor",
+        _c10d_has_single_collectives,
     ),
 )
 _BY_NAME = {feature.name: feature for feature in FEATURES}

@@ -25,9 +25,11 @@
 A variant's memory is measured once, since it is deterministic: the peak of its forward and
 backward passes, gradients included (``perflab.memory.peak_memory``), and the activations its
 forward pass keeps for backward (``perflab.memory.saved_tensors``, without the weights, which exist
-anyway). Its time is taken over interleaved rounds, each running every variant once in an order
-that reverses every round, so that a machine that slows down or speeds up in between affects all
-variants alike; ``relative_time`` is the median of the per-round ratios to the first variant.
+anyway; ``kept="held"`` counts instead what the forward pass leaves held, which also sees what
+bypasses saved-tensor hooks). Its time is taken over interleaved rounds, each running every variant
+once in an order that reverses every round, so that a machine that slows down or speeds up in
+between affects all variants alike; ``relative_time`` is the median of the per-round ratios to the
+first variant.
 
 Used in: lecture 05 (memory checkpointing).
 """
@@ -69,6 +71,7 @@ class Tradeoff:
 
     variants: tuple[VariantCost, ...]
     device: str
+    kept: str = "saved"  # how "kept for backward" was counted: see measure_tradeoff
 
     def __getitem__(self, label: str) -> VariantCost:
         for variant in self.variants:
@@ -83,7 +86,8 @@ class Tradeoff:
 
     @property
     def caption(self) -> str:
-        return f"forward + backward on {self.device}, median of {len(self.variants[0].times)} interleaved rounds"
+        text = f"forward + backward on {self.device}, median of {len(self.variants[0].times)} interleaved rounds"
+        return text + ("; kept for backward: what the forward pass left held" if self.kept == "held" else "")
 
     def _table(self) -> Table:
         rows = [
@@ -114,6 +118,7 @@ def measure_tradeoff(
     rounds: int = 5,
     device: str | torch.device | None = None,
     meter: Callable[[torch.device], AbstractContextManager[PeakMemory]] | None = None,
+    kept: str = "saved",
 ) -> Tradeoff:
     """Measure each ``forward()`` (which returns a scalar loss) followed by ``loss.backward()``.
 
@@ -122,7 +127,17 @@ def measure_tradeoff(
     ``meter(device)`` measures the peak: ``perflab.memory.peak_memory()`` by default; pass
     ``perflab.memory.allocator_peak`` for variants compiled with ``torch.compile``, whose buffers
     only the allocator sees.
+
+    ``kept`` says how the activations kept for backward are counted. ``"saved"``: every tensor
+    autograd's saved-tensor hooks see, each storage once, the weights left out
+    (``perflab.memory.saved_tensors``). ``"held"``: what the tensors made by the forward pass still
+    hold when it returns, as ``meter`` sees it (its ``held_bytes``; the loss is in it, inputs made
+    before are not). It also counts what is kept outside autograd's saved tensors, such as the
+    outputs selective activation checkpointing keeps where ``checkpoint`` has no
+    ``respect_saved_tensors_hooks`` (``perflab.torch_features``).
     """
+    if kept not in ("saved", "held"):
+        raise ValueError(f'kept must be "saved" or "held", got {kept!r}')
     if not variants:
         raise ValueError("measure_tradeoff needs at least one variant")
     if not isinstance(rounds, int) or rounds < 1:
@@ -145,10 +160,16 @@ def measure_tradeoff(
         release_gradients()  # before the meter starts: the gradients freed are not the variant's
         with peak_memory() if meter is None else meter(device) as peak:
             forward().backward()
-        with saved_tensors() as saved:
-            loss = forward()  # kept alive to the end of the block, so that what it saved is counted
-        del loss
-        activations = sum(nbytes for address, nbytes in saved.storages.items() if address not in weights)
+        if kept == "saved":
+            with saved_tensors() as saved:
+                loss = forward()  # kept alive to the end of the block, so that what it saved is counted
+            del loss
+            activations = sum(nbytes for address, nbytes in saved.storages.items() if address not in weights)
+        else:
+            with peak_memory() if meter is None else meter(device) as forward_pass:
+                loss = forward()  # kept alive to the end of the block, so that what its graph holds is counted
+            del loss
+            activations = forward_pass.held_bytes
         memory[label] = (peak.bytes, activations)
 
     labels = list(variants)
@@ -160,5 +181,5 @@ def measure_tradeoff(
     for parameter in parameters:
         parameter.grad = None
     return Tradeoff(
-        tuple(VariantCost(label, *memory[label], tuple(side)) for label, side in zip(labels, times)), str(device)
+        tuple(VariantCost(label, *memory[label], tuple(side)) for label, side in zip(labels, times)), str(device), kept
     )

@@ -29,6 +29,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from perflab.bench import Comparison
 from perflab.capstone import (
     ACCURACY_TOLERANCE,
     COURSE_WORKLOAD,
@@ -224,31 +225,40 @@ def grade_capstone_lab(
 
 
 def _grade_timed(timed_cells: list[str], configs: dict, *, device, log, cache_dir, rounds: int) -> dict[str, Verdict]:
-    """Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time."""
-    timed = [NAIVE]
-    for cell in timed_cells:
-        timed += [config for config in configs[cell].values() if _key(config) not in map(_key, timed)]
+    """Parts 2, 3 and 7: one set of interleaved epoch rounds over every configuration that needs a time.
 
-    def comparison_of(cell: str, side: dict):
+    A cell whose first measurement leaves its verdict open is measured once more with twice the rounds, with only
+    the configurations of the cells still open: a cell already decided keeps its first measurement.
+    """
+    threshold = {"test_data": DATA_SPEEDUP, "test_batch": BATCH_SPEEDUP, "test_regrade": MIN_SPEEDUP}
+
+    def sides_of(cell: str) -> tuple[TrainConfig, TrainConfig, str]:
+        """The baseline and the candidate of the cell's ratio, and the candidate's name."""
         if cell == "test_batch":
-            return speedup_of(
-                *(side[_key(configs[cell][name])] for name in ("data_config", "batch_config")), "batch_config"
-            )
+            return configs[cell]["data_config"], configs[cell]["batch_config"], "batch_config"
         name = "data_config" if cell == "test_data" else "final_config"
-        return speedup_of(side[_key(NAIVE)], side[_key(configs[cell][name])], name)
+        return NAIVE, configs[cell][name], name
 
+    # cell -> (its comparison, why that leaves its verdict open, the trials of every configuration timed with it)
+    timings: dict[str, tuple[Comparison, list[str], dict]] = {}
     for attempt_rounds in (rounds, 2 * rounds):
+        open_cells = [cell for cell in timed_cells if cell not in timings or timings[cell][1]]
+        if not open_cells:
+            break
+        timed = []
+        for cell in open_cells:
+            timed += [config for config in sides_of(cell)[:2] if _key(config) not in map(_key, timed)]
         log(f"timing {len(timed)} configurations in {attempt_rounds} interleaved one-epoch rounds")
         trials, load = measure_speeds(timed, rounds=attempt_rounds, device=device, log=log)
         side = {_key(config): results for config, results in zip(timed, trials)}
-        comparisons = {cell: comparison_of(cell, side) for cell in timed_cells}
-        noisy = {cell: noise_problems(comparison, load) for cell, comparison in comparisons.items()}
-        if not any(noisy.values()):
-            break
+        for cell in open_cells:
+            baseline, candidate, name = sides_of(cell)
+            comparison = speedup_of(side[_key(baseline)], side[_key(candidate)], name)
+            timings[cell] = (comparison, noise_problems(comparison, load, threshold[cell]), side)
     accuracies: dict[tuple, float] = {}
 
     def decide(cell: str) -> Verdict:
-        comparison, problems = comparisons[cell], noisy[cell]
+        comparison, problems, side = timings[cell]
         if cell == "test_data":
             candidate = side[_key(configs[cell]["data_config"])]
             waits = [
@@ -317,11 +327,12 @@ def _grade_amp(configs: dict[str, TrainConfig], keep_amp: bool, device, log, rou
             [replace(batch, name="float32"), amp], rounds=attempt_rounds, device=device, log=log, max_steps=AMP_STEPS
         )
         comparison = speedup_of(float32, low_precision, amp.amp_dtype)
-        low, high = comparison.interval
-        # Only a clear difference decides: inside the margin either answer counts, and a noisy run decides nothing.
-        problems = noise_problems(comparison, load) if low < 1 + AMP_MARGIN and high > 1 - AMP_MARGIN else []
+        # Only a clear difference decides against the answer: inside the margin either answer counts. KEEP_AMP = False
+        # is wrong only above the margin, True only below it: that side's bound is what the interval must not straddle.
+        problems = noise_problems(comparison, load, 1 - AMP_MARGIN if keep_amp else 1 + AMP_MARGIN)
         if not problems:
             break
+    low, high = comparison.interval
     faster, slower = low > 1 + AMP_MARGIN, high < 1 - AMP_MARGIN
     failures = (
         ["it was measured faster: keep it"]

@@ -168,7 +168,7 @@ def grade_lab03(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
             "lab03_load", images.numpy().tobytes() + labels.numpy().tobytes(), count=len(labels), batch_size=batch_size
         )
         epoch(grader_seeds.randrange(2**31), IdleWatch(), 0)  # warm-up
-        comparison, failures, problems = measure_until_decided(measure_once, rounds)
+        comparison, failures, problems = measure_until_decided(measure_once, rounds, MIN_SHARE)
     except ChildError as error:
         return {"test_ceiling": verdict_of(error)}
     finally:

@@ -8,12 +8,17 @@
     >>> print(f"other processes: {load.other_cores:.2f} cores")
     other processes: ... cores
     >>> rounds = Comparison(Timing("baseline", (2.0, 3.0, 2.0, 4.0, 2.0)), Timing("final", (1.0,) * 5), confidence=0.9)
-    >>> noise_problems(rounds, load)[0]                # seconds made up for the example: rounds that disagree
-    'the rounds disagree: 90% CI 2.00x-4.00x is wider than 1.3x from end to end'
-    >>> Verdict.decide("2.31x faster", failures=[], problems=noise_problems(rounds, load))
-    Verdict(inconclusive: 2.31x faster; inconclusive: re-grade on a quiet machine; the rounds disagree: ...)
-    >>> Verdict.decide("2.31x faster", failures=[], problems=[])   # a measurement that may decide
-    Verdict(pass: 2.31x faster)
+    >>> quiet = LoadMeter()                            # seconds and load made up for the example
+    >>> rounds.interval, quiet.other_cores             # a wide interval, measured on a quiet machine
+    ((2.0, 4.0), 0.0)
+    >>> noise_problems(rounds, quiet, threshold=2.5)   # it straddles the threshold: pass or fail is open
+    ['the rounds leave pass or fail open: their 90% CI 2.00x-4.00x straddles the 2.5x threshold']
+    >>> Verdict.decide("2.00x", failures=[], problems=noise_problems(rounds, quiet, threshold=2.5))
+    Verdict(inconclusive: 2.00x; inconclusive: re-grade on a quiet machine; the rounds leave pass or fail open: ...)
+    >>> noise_problems(rounds, quiet, threshold=1.5)   # as wide, but wholly above 1.5x: decided
+    []
+    >>> Verdict.decide("2.00x median (90% CI 2.00x-4.00x)", failures=[], problems=[])   # a measurement that decides
+    Verdict(pass: 2.00x median (90% CI 2.00x-4.00x))
     >>> Verdict.grading_failed("the grading ran past its limit of 1800 s")   # the grader's failure, not the answer's
     Verdict(error: grading failed: not scored; the grading ran past its limit of 1800 s)
     >>> Verdict.refused("x" * 100_000).reasons[0][-29:]   # text the learner controls, cut to MAX_TEXT_CHARS
@@ -21,11 +26,14 @@
 
 A speedup measured beside a busy neighbour is not a smaller or larger copy of the quiet one:
 the per-sample Python pipeline of a baseline loses far more to contention than an optimized
-one, so load inflates speedups. A pass or a fail is issued only when the interval of the
-per-round ratios is narrow (``MAX_SPREAD``) and processes other than the grader's own took
-little CPU while it measured (``MAX_OTHER_LOAD``); otherwise the grader re-measures with more
-rounds and, failing that, says "inconclusive": zero points and a request to re-grade on a quiet
-machine, never a verdict. "error" is the grader's own failure (a crash, a timeout, a watchdog, an
+one, so load inflates speedups. A pass or a fail compares the median of the per-round ratios
+with a threshold, and is issued only when the evidence decides it: the interval of those ratios
+(``perflab.bench.median_confidence_interval``) lies wholly on one side of the threshold, and
+processes other than the grader's own took little CPU while it measured (``MAX_OTHER_LOAD``).
+A wide interval on one side decides (its width is the figure's precision, reported with it, not
+doubt about the verdict). Otherwise the grader re-measures once with twice the rounds and,
+failing that, says "inconclusive": zero points and a request to re-grade on a quiet machine,
+never a verdict. "error" is the grader's own failure (a crash, a timeout, a watchdog, an
 out-of-memory kill): the cell is not scored, nothing is cached, and it is graded again later.
 
 A verdict's texts carry what the learner controls (an exception's message, a string forced into
@@ -50,7 +58,6 @@ __all__ = [
     "INCONCLUSIVE",
     "LoadMeter",
     "MAX_OTHER_LOAD",
-    "MAX_SPREAD",
     "MAX_TEXT_CHARS",
     "NOT_SCORED",
     "Status",
@@ -60,7 +67,6 @@ __all__ = [
     "tree_cpu_seconds",
 ]
 
-MAX_SPREAD = 1.3  # the interval's high end over its low end
 MAX_OTHER_LOAD = 0.3  # cores' worth of CPU taken by other processes (steal time included) while measuring
 INCONCLUSIVE = "inconclusive: re-grade on a quiet machine"
 NOT_SCORED = "grading failed: not scored"
@@ -111,14 +117,20 @@ class LoadMeter:
         self.other_cores = max(0.0, (_busy_seconds() - busy) - (self.ours() - ours)) / max(elapsed, 1e-9)
 
 
-def noise_problems(comparison: Comparison, load: LoadMeter) -> list[str]:
-    """Why this measurement may not decide a grade; empty when it may."""
+def noise_problems(comparison: Comparison, load: LoadMeter, threshold: float) -> list[str]:
+    """Why this measurement may not decide a verdict that compares its median ratio with ``threshold``; empty when
+    it may.
+
+    Open when the interval straddles the threshold (``low < threshold <= high``: the true median may lie on
+    either side; at ``low == threshold`` every median in it reaches the threshold) or when other processes
+    took CPU time while it measured, whatever the interval says.
+    """
     problems = []
     low, high = comparison.interval
-    if high / low > MAX_SPREAD:
+    if low < threshold <= high:
         problems.append(
-            f"the rounds disagree: {comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x is wider than "
-            f"{MAX_SPREAD}x from end to end"
+            f"the rounds leave pass or fail open: their {comparison.confidence:.0%} CI {low:.2f}x-{high:.2f}x "
+            f"straddles the {threshold:g}x threshold"
         )
     if load.other_cores > MAX_OTHER_LOAD:
         problems.append(
@@ -160,7 +172,8 @@ class Verdict:
 
     @classmethod
     def decide(cls, measured: str, failures: list[str], problems: list[str] = ()) -> Verdict:
-        """Inconclusive when the measurement was noisy, else fail on any failed check, else pass."""
+        """Inconclusive when the measurement left the decision open (``noise_problems``), else fail on any failed check,
+        else pass."""
         if problems:
             return cls("inconclusive", measured, (INCONCLUSIVE, *problems))
         return cls("fail" if failures else "pass", measured, tuple(failures))
