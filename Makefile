@@ -8,6 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The supported range is pyproject.toml's; each tested torch has its torchvision in constraints/torch-X.Y.Z.txt.
 # `make setup` installs the default pair; `make test-compat` the range's oldest end unless TORCH= says another.
+# PIP_CONSTRAINT, not -c: the pair replaces any constraint pip's configuration sets (a machine's cap on torch).
 DEFAULT_TORCH := 2.14.1
 OLDEST_TORCH := 2.11.0
 COMPAT_TORCH := $(if $(filter undefined,$(origin TORCH)),$(OLDEST_TORCH),$(TORCH))
@@ -24,7 +25,7 @@ setup: $(VENV)/.installed-torch$(TORCH)
 
 $(VENV)/.installed-torch$(TORCH): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[course,site,test]' -c $(CONSTRAINTS)
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(BIN)/python -m pip install --quiet -e '.[course,site,test]'
 	rm -f $(VENV)/.installed-torch*
 	touch $@
 

@@ -11,7 +11,7 @@ from packaging.requirements import Requirement
 from perflab import torch_features
 from perflab.doctor import feature_checks
 from perflab.grading.course import REPO
-from perflab.torch_features import FEATURES, SUPPORTED, TESTED
+from perflab.torch_features import DEFAULT, FEATURES, SUPPORTED, TESTED
 
 
 def _makefile_variable(name: str) -> str:
@@ -32,13 +32,16 @@ def test_the_makefile_the_range_and_the_tested_releases_agree():
     (declared,) = [Requirement(line) for line in dependencies if Requirement(line).name == "torch"]
     assert SUPPORTED and Requirement(f"torch{SUPPORTED}").specifier == declared.specifier
     assert all(declared.specifier.contains(version) for version in TESTED)
-    assert _makefile_variable("DEFAULT_TORCH") == TESTED[-1] and _makefile_variable("OLDEST_TORCH") == TESTED[0]
+    assert _makefile_variable("DEFAULT_TORCH") == DEFAULT and _makefile_variable("OLDEST_TORCH") == TESTED[0]
+    assert TESTED == tuple(sorted(TESTED, key=lambda version: tuple(map(int, version.split(".")))))
+    ci = (REPO / ".ci" / "run").read_text()
+    assert all(f"make test-compat TORCH={version}" in ci for version in TESTED if version != DEFAULT)
     lowest = min(spec.version for spec in declared.specifier if spec.operator == ">=")
     assert TESTED[0].startswith(lowest + "."), "the suite must run on the oldest torch the course declares"
 
 
 def test_the_range_is_checked_on_release_numbers():
-    assert torch_features.in_supported_range(TESTED[0]) and torch_features.in_supported_range(f"{TESTED[-1]}+cpu")
+    assert torch_features.in_supported_range(TESTED[0]) and torch_features.in_supported_range(f"{TESTED[-1]}+cu132")
     assert not torch_features.in_supported_range("2.10.0") and not torch_features.in_supported_range("3.0.0")
 
 
@@ -83,3 +86,11 @@ def test_importing_perflab_on_a_torch_outside_the_range_says_so():
     too_old = imported_on("2.10.0")
     assert "perflab supports torch >=" in too_old and "this is torch 2.10.0" in too_old
     assert "perflab supports torch" not in imported_on(TESTED[0])
+
+
+def test_the_readme_lists_every_feature_and_the_range():
+    readme = (REPO / "README.md").read_text()
+    for feature in FEATURES:
+        assert f"| {feature.api} | {feature.since} | {feature.used_in} | {feature.without} |" in readme, feature.name
+    lowest, highest = re.fullmatch(r">=(\S+),<(\S+)", SUPPORTED).groups()
+    assert f"**torch >= {lowest}, < {highest}**" in readme

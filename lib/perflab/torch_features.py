@@ -2,7 +2,7 @@
 
     >>> from perflab import torch_features
     >>> torch_features.SUPPORTED                    # read from perflab's installed requirements
-    '>=2.11,<2.15'
+    '>=2.11,<2.16'
     >>> torch_features.has("profiler_input_dtypes") in (True, False)
     True
     >>> torch_features.require("checkpoint_respects_saved_tensors_hooks")   # doctest: +SKIP
@@ -36,11 +36,13 @@ from packaging.version import Version
 
 from perflab.render import Table
 
-__all__ = ["FEATURES", "SUPPORTED", "TESTED", "Feature", "features", "has", "in_supported_range", "require"]
+__all__ = ["DEFAULT", "FEATURES", "SUPPORTED", "TESTED", "Feature", "features", "has", "in_supported_range", "require"]
 
-# The releases the suite runs on: the default pair (constraints/torch-2.14.1.txt) and the range's oldest end
-# (constraints/torch-2.11.0.txt). tests/test_torch_features.py checks both against the constraints files.
-TESTED = ("2.11.0", "2.14.1")
+# The releases the suite runs on, each with its torchvision in constraints/torch-X.Y.Z.txt: the default install's
+# (make setup, make test) and the range's ends (make test-compat). tests/test_torch_features.py checks them against
+# the constraints files, the Makefile and pyproject.toml.
+DEFAULT = "2.14.1"
+TESTED = ("2.11.0", DEFAULT, "2.15.0")
 
 
 def _supported() -> str:
