@@ -130,9 +130,7 @@ def _range_verdict() -> str:
 def feature_checks() -> list[Check]:
     """One row per API the course uses beyond the oldest supported torch that this torch lacks: the cells it affects."""
     return [
-        Check(
-            "versions", f"from torch {feature.since}", f"{feature.api}: {feature.used_in}; here {feature.without}"
-        )
+        Check("versions", f"from torch {feature.since}", f"{feature.api}: {feature.used_in}; here {feature.without}")
         for feature in FEATURES
         if not feature.available
     ] or [Check("versions", "newer torch APIs", f"all {len(FEATURES)} the course uses are here")]
