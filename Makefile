@@ -16,10 +16,13 @@ TORCH ?= $(DEFAULT_TORCH)
 CONSTRAINTS := constraints/torch-$(TORCH).txt
 # nbgrader runs `alembic` and `jupyter` from PATH: the virtualenv's bin must come first.
 export PATH := $(abspath $(BIN)):$(PATH)
+# pytest on every core (pytest-xdist): each module, the lectures with the website, and the grading round trip are a
+# unit of work for one worker, longest first; a measurement takes the machine alone (conftest.py, Machine).
+PARALLEL := -n auto --no-loadscope-reorder
 # jupyter refuses to start as root unless told it may (containers, Binder-like machines).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab check test test-compat compat-tier site labs doctor clean
+.PHONY: setup lab check test test-compat setup-compat compat-tier site labs doctor clean
 
 setup: $(VENV)/.installed-torch$(TORCH)
 
@@ -40,18 +43,23 @@ lab: setup
 check: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PARALLEL) -m "not slow"
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # The compatibility tier, in a virtualenv of its own (.venv-torchX.Y.Z): the fast tests, every lecture under nbval and
-# two labs' grading round trips (the `compat` marker, conftest.py) on another torch of the supported range.
+# two labs' grading round trips (the `compat` marker, conftest.py) on another torch of the supported range. The round
+# trips grade the solution and the untouched release: the attacks on the sandbox are make test's.
 test-compat:
 	$(MAKE) --no-print-directory compat-tier TORCH=$(COMPAT_TORCH) VENV=.venv-torch$(COMPAT_TORCH)
 
+# That virtualenv alone, set up (.ci/run sets up every virtualenv at once, before any test).
+setup-compat:
+	$(MAKE) --no-print-directory setup TORCH=$(COMPAT_TORCH) VENV=.venv-torch$(COMPAT_TORCH)
+
 compat-tier: setup
-	$(BIN)/python -m pytest -m "not slow or compat"
+	$(BIN)/python -m pytest $(PARALLEL) -m "not slow or compat" --no-attacks
 
 # The course as a website in build/site/html: runs the lectures whose content changed since the last build.
 site: setup

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -33,7 +35,95 @@ def _deprecations_are_errors() -> str:
     )
 
 
+class Machine:
+    """This machine, shared by the tests of every pytest run on it (xdist's workers, the tiers .ci/run starts at
+    once) and taken alone by a measurement, which another test's load would make inconclusive.
+
+    A readers-writer lock on two files: a test holds the lock shared while it runs; ``with machine.alone():``
+    waits until the tests running now end, and new ones wait for it. A pytest started by a test takes no lock: the
+    test that started it holds one."""
+
+    def __init__(self, path: Path):
+        self._lock = open(path, "a")  # noqa: SIM115 - held for the whole run
+        self._turnstile = open(path.with_name(path.name + ".turnstile"), "a")  # noqa: SIM115
+        self._shared = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        # Through the turnstile first: a measurement waiting there goes before any test that comes after it.
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self._shared = True
+        try:
+            yield
+        finally:
+            self._shared = False
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def alone(self):
+        was_shared, self._shared = self._shared, False
+        fcntl.flock(self._lock, fcntl.LOCK_UN)  # this test's own share would keep it waiting
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_SH if was_shared else fcntl.LOCK_UN)
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+            self._shared = was_shared
+
+
+class _NoMachineLock:
+    """What a pytest started by a test uses: the test that started it holds the machine."""
+
+    shared = alone = staticmethod(contextlib.nullcontext)
+
+
+# Who takes the machine lock: a pytest started by hand or by make, or the workers of one; not a pytest a test starts.
+_MACHINE_HELD = "PERFLAB_MACHINE_HELD"
+
+
+def _machine(config) -> Machine | _NoMachineLock:
+    held = os.environ.get(_MACHINE_HELD)
+    if hasattr(config, "workerinput"):  # an xdist worker
+        takes = held == "by-workers"
+    elif held:
+        takes = False
+    elif config.getoption("dist", "no") != "no":  # xdist's controller: its workers run the tests
+        os.environ[_MACHINE_HELD] = "by-workers"
+        return _NoMachineLock()
+    else:
+        takes = True
+    if not takes:
+        return _NoMachineLock()
+    os.environ[_MACHINE_HELD] = "by-a-test"
+    return Machine(Path(os.environ.get("PERFLAB_MACHINE_LOCK", Path(tempfile.gettempdir()) / "perflab-machine.lock")))
+
+
+@pytest.fixture(scope="session")
+def machine(request) -> Machine | _NoMachineLock:
+    """``with machine.alone():`` around a measurement inside a test: see :class:`Machine`."""
+    return request.config._perflab_machine
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with item.config._perflab_machine.shared():
+        return (yield)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-attacks",
+        action="store_true",
+        help="grading round trips hand in each lab's solution and untouched release only (the compatibility tier)",
+    )
+
+
 def pytest_configure(config):
+    config._perflab_machine = _machine(config)
     # A suite started in the background by a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored,
     # and so would every process it starts: the tests that interrupt a grading or a kernel need it delivered.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -45,6 +135,28 @@ def pytest_configure(config):
 # The round trips the compatibility tier runs again on the supported range's other ends (make test-compat): one
 # lab measured outside the kernel (torch.compile's speedup) and one graded in it (activation checkpointing).
 COMPAT_ROUND_TRIPS = ("lab05_memory", "lab06_compile")
+
+
+# The work xdist hands out whole, in this order (--no-loadscope-reorder keeps it): the grading round trip (a module
+# fixture grades every lab), every lecture with the website's test (which reuses the lectures as this process ran
+# them), then each other module.
+_LONGEST_GROUPS = ("tests/test_labs.py", "lectures")
+
+
+def _xdist_group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return "lectures" if path.startswith("lectures/") or path == "tests/test_site.py" else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items):
@@ -60,8 +172,13 @@ def pytest_collection_modifyitems(items):
             and callspec.params["lab"] in COMPAT_ROUND_TRIPS
         ):
             item.add_marker(pytest.mark.compat)
-    # The website's test comes last: it reuses the lectures as nbval ran them (see _keep_executed_lecture).
-    items.sort(key=lambda item: item.path.name == "test_site.py")
+
+    # The website's test comes after the lectures: it reuses them as nbval ran them (see _keep_executed_lecture).
+    def rank(item):
+        group = _xdist_group(item.nodeid)
+        return (_LONGEST_GROUPS.index(group) if group in _LONGEST_GROUPS else 2, item.path.name == "test_site.py")
+
+    items.sort(key=rank)
 
 
 def _executed_lectures_folder(config) -> Path:

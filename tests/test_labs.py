@@ -109,7 +109,10 @@ def _source_digests() -> dict[str, str]:
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent" for path in paths}
 
 
-def _attacks(lab: str) -> list[str]:
+def _attacks(lab: str, config) -> list[str]:
+    """The attacks on ``lab`` this run hands in: none under ``--no-attacks`` (the compatibility tier's round trips)."""
+    if config.getoption("no_attacks"):
+        return []
     return [name for name in ATTACKS.get(lab, {}) if bwrap_works() or name not in NEEDS_SANDBOX]
 
 
@@ -165,9 +168,9 @@ def _two_halves(labs: list[str]) -> tuple[list[str], list[str]]:
     return halves
 
 
-def _measuring_nothing() -> set[tuple[str, str]]:
+def _measuring_nothing(config) -> set[tuple[str, str]]:
     """The (lab, student) submissions of MEASURES_NOTHING handed in here."""
-    handed_in = {lab: {"untouched", *(f"attack_{name}" for name in _attacks(lab))} for lab in MEASURES_NOTHING}
+    handed_in = {lab: {"untouched", *(f"attack_{name}" for name in _attacks(lab, config))} for lab in MEASURES_NOTHING}
     return {
         (lab, student)
         for lab, students in MEASURES_NOTHING.items()
@@ -212,7 +215,7 @@ def _labs_to_grade(session) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def graded_course(released_course, tmp_path_factory, request):
+def graded_course(released_course, tmp_path_factory, request, machine):
     """Every lab's solution, untouched release and attacks handed in, then graded as an instructor would:
     `nbgrader autograde`, each submission whose measurement was inconclusive or whose grading failed graded
     again (as `perflab grade` does, up to 3 times), then `generate_feedback` (of the solutions and the leak
@@ -228,17 +231,18 @@ def graded_course(released_course, tmp_path_factory, request):
     for lab in labs:
         course.submit("solved", lab, files_from=course.root / "solutions" / lab)
         course.submit("untouched", lab, files_from=course.root / "labs" / lab)
-        for name in _attacks(lab):
+        for name in _attacks(lab, request.config):
             course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
     halves = [course.copy_to(tmp_path_factory.mktemp(f"graded-half{number}")) for number in (1, 2)]
     here, there = _two_halves([lab for lab in labs if lab not in MEASURED_CELLS])
-    measuring_nothing = {(lab, student) for lab, student in _measuring_nothing() if lab in labs}
+    measuring_nothing = {(lab, student) for lab, student in _measuring_nothing(request.config) if lab in labs}
     _keep_only(course, lambda lab, student: lab in MEASURED_CELLS and (lab, student) not in measuring_nothing)
     _keep_only(halves[0], lambda lab, student: lab in here)
     _keep_only(halves[1], lambda lab, student: lab in there or (lab, student) in measuring_nothing)
     before = _source_digests()
     gradebook_mode = (course.root / "gradebook.db").stat().st_mode
-    seconds = _grading_seconds(_autograde_all(course))
+    with machine.alone():
+        seconds = _grading_seconds(_autograde_all(course))
     with ThreadPoolExecutor(max_workers=2) as pool:
         for log in pool.map(_autograde_all, halves):
             seconds.update(_grading_seconds(log))
@@ -248,13 +252,14 @@ def graded_course(released_course, tmp_path_factory, request):
     for _ in range(_REGRADES - 1):
         for lab, student in _not_decided(course):
             graded_in = next(c for c in (course, *halves) if (c.root / "submitted" / student / lab).is_dir())
-            log = graded_in.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=1800)
+            with machine.alone():
+                log = graded_in.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=1800)
             seconds.update(_grading_seconds(log))
             if graded_in is not course:
                 _merge_gradings(graded_in, course, lab)
     # Feedback for the reference solutions and the leak only: the tests read no other, and each page costs an export.
     course.run("generate_feedback", "*", "--student", "solved", "--force")
-    if "lab01_timing" in labs and "leak" in _attacks("lab01_timing"):
+    if "lab01_timing" in labs and "leak" in _attacks("lab01_timing", request.config):
         course.run("generate_feedback", "lab01_timing", "--student", "attack_leak", "--force", timeout=300)
     course.run("export", "--to", str(folder / "grades.csv"))
     _write_grading_times(course, seconds)
@@ -274,10 +279,10 @@ def _write_grading_times(course: NbgraderCourse, seconds: dict[tuple[str, str], 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LAB_NAMES)
-def test_grading_round_trip(graded_course, lab):
+def test_grading_round_trip(graded_course, lab, pytestconfig):
     """The solution, the untouched release and every attack, autograded, with feedback and an export."""
     course, digests_before, digests_after, grades_csv, *_ = graded_course
-    attacks = _attacks(lab)
+    attacks = _attacks(lab, pytestconfig)
     assert digests_after == digests_before, "grading a submission changed perflab's source or the environment"
 
     with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
@@ -327,12 +332,12 @@ def test_grading_round_trip(graded_course, lab):
             assert "Re-measured by the course" in feedback.read_text(), "the feedback shows what the grader measured"
     for cell, text in _measured_outputs(course, "solved", lab).items():
         assert text.startswith("Re-measured by the course's grader, outside your notebook: PASS"), f"{cell}: {text}"
-    for student in sorted(student for graded_lab, student in _measuring_nothing() if graded_lab == lab):
+    for student in sorted(student for graded_lab, student in _measuring_nothing(pytestconfig) if graded_lab == lab):
         measured = {
             cell: text for cell, text in _measured_outputs(course, student, lab).items() if "not measured" not in text
         }
         assert not measured, f"{student} was graded beside others, but the grader measured {measured}"
-    if lab == "lab12_capstone":
+    if lab == "lab12_capstone" and attacks:
         too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow
         another_task = _measured_outputs(course, "attack_workload_reassigned", lab)["test_regrade"]
@@ -344,7 +349,7 @@ def test_grading_round_trip(graded_course, lab):
         assert all("not measured" in text and len(text) < 5000 for text in unbounded.values()), unbounded
         inconsistent = _measured_outputs(course, "attack_inconsistent", lab)
         assert all("not measured" in inconsistent[cell] for cell in ("test_batch", "test_amp", "test_ckpt"))
-    if lab == "lab02_profiling":
+    if lab == "lab02_profiling" and attacks:
         huge = _measured_outputs(course, "attack_huge_message", lab)["test_preprocess_speed"]
         assert "FAIL" in huge and "ValueError" in huge and len(huge) < 5000, huge[:300]
 
@@ -357,10 +362,12 @@ def test_grading_round_trip(graded_course, lab):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not bwrap_works(), reason="the sandbox needs bubblewrap (apt-get install bubblewrap)")
-def test_no_answer_reads_the_course_or_leads_out_of_its_folder(graded_course):
+def test_no_answer_reads_the_course_or_leads_out_of_its_folder(graded_course, pytestconfig):
     """Lab 01's leak attack: its kernel finds nothing of the course, and nbgrader follows none of its links."""
     course, *_, gradebook_mode, halves = graded_course
     lab = "lab01_timing"
+    if "leak" not in _attacks(lab, pytestconfig):
+        pytest.skip("--no-attacks: no attack was handed in")
     folders = [course.root / kind / "attack_leak" / lab for kind in ("autograded", "feedback")]
     notebook = (folders[0] / f"{lab}.ipynb").read_text()
     assert "leak probe found: []" in notebook, "the probe did not run, or found something"
