@@ -36,8 +36,8 @@ def _deprecations_are_errors() -> str:
 
 
 class Machine:
-    """This machine, shared by the tests of every pytest run on it (xdist's workers, the tiers .ci/run starts at
-    once) and taken alone by a measurement, which another test's load would make inconclusive.
+    """This machine, shared by the tests of every pytest run on it (xdist's workers, two suites started at once)
+    and taken alone by a measurement, which another test's load would make inconclusive.
 
     A readers-writer lock on two files: a test holds the lock shared while it runs; ``with machine.alone():``
     waits until the tests running now end, and new ones wait for it. A pytest started by a test takes no lock: the
