@@ -18,7 +18,7 @@ from perflab.distributed import LaunchFailed, launch, run_as_one_rank
 # does when its peer is gone, is the first process torchrun sees exit. The error files' times say who failed first.
 LINGER_S = 60
 CRASHING = textwrap.dedent("""
-    import os, sys, threading, time
+    import json, os, sys, threading, time
     from pathlib import Path
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -30,9 +30,15 @@ CRASHING = textwrap.dedent("""
             threading.Thread(target=time.sleep, args=(LINGER_S,)).start()  # keeps the process alive after the error
             raise ValueError("rank 1 broke")
         peer_error = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent.parent / "1" / "error.json"
-        while not peer_error.exists():
+        while not written(peer_error):  # whole: a file that exists may still be written after ours
             time.sleep(0.01)
         raise ConnectionError("peer gone")
+
+    def written(path):
+        try:
+            return bool(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return False
 
     main()
 """).replace("LINGER_S", str(LINGER_S))

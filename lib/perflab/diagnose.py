@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -94,7 +95,11 @@ class Diagnosis:
 
 
 def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
-    """Classify a profiled run by the largest of its data, compute, memory and overhead shares."""
+    """Classify a profiled run by the largest of its data, compute, memory and overhead shares.
+
+    Each share is the median over the steps of that share's seconds, so one step stalled by something outside the run
+    (the OS pausing the process while it was in one operator) counts no more than any other step.
+    """
     events = (run.profiler if isinstance(run, ProfiledRun) else run).events()
     phases = sorted(
         (e.time_range.start, e.time_range.end, e.name)
@@ -108,9 +113,10 @@ def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
         )
     on_device = any(e.device_type == DeviceType.CUDA for e in events)
     starts = [start for start, _, _ in phases]
-    seconds: dict[str, float] = defaultdict(float)
-    for start, end, name in phases:
-        seconds["data" if name in ("data_wait", "h2d") else "phases"] += (end - start) / 1e6
+    step_of = _steps(phases)
+    seconds = [defaultdict(float) for _ in range(step_of[-1] + 1)]  # per step: data, phases, compute, memory
+    for (start, end, name), step in zip(phases, step_of):
+        seconds[step]["data" if name in ("data_wait", "h2d") else "phases"] += (end - start) / 1e6
     by_operator: dict[str, float] = defaultdict(float)
     for event in events:
         if not event.name.startswith("aten::") or event.device_type != DeviceType.CPU:
@@ -120,21 +126,45 @@ def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
             continue  # outside fwd / bwd / opt: the input pipeline's tensor ops count as data
         self_us = event.self_device_time_total if on_device else event.self_cpu_time_total
         by_operator[event.name] += self_us / 1e6
-    classes = {
-        name: "compute" if _COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory" for name in by_operator
+        seconds[step_of[index]][_operator_class(event.name)] += self_us / 1e6
+    worked = {step for (_, _, name), step in zip(phases, step_of) if name in _WORK_PHASES}
+    steps = [_split(step) for index, step in enumerate(seconds) if index in worked or not worked]
+    medians = {
+        kind: statistics.median(step[kind] for step in steps) for kind in ("data", "compute", "memory", "overhead")
     }
+    shares = {kind: spent / (sum(medians.values()) or 1.0) for kind, spent in medians.items()}
+    by_class: dict[str, float] = defaultdict(float)
     for name, spent in by_operator.items():
-        seconds[classes[name]] += spent
-    total = max(seconds["data"] + seconds["phases"], seconds["data"] + seconds["compute"] + seconds["memory"])
-    shares = {
-        "data": seconds["data"] / total,
-        "compute": seconds["compute"] / total,
-        "memory": seconds["memory"] / total,
-    }
-    shares["overhead"] = max(0.0, 1 - sum(shares.values()))
+        by_class[_operator_class(name)] += spent
     largest = sorted(by_operator.items(), key=lambda item: item[1], reverse=True)[:top]
     return Diagnosis(
         kind=KINDS[max(shares, key=shares.get)],
         shares=shares,
-        operators=tuple((name, classes[name], spent / total) for name, spent in largest),
+        # Each class's share, split among its operators by their time in every step.
+        operators=tuple(
+            (name, kind, shares[kind] * spent / by_class[kind])
+            for name, spent in largest
+            for kind in [_operator_class(name)]
+        ),
     )
+
+
+def _operator_class(name: str) -> str:
+    return "compute" if _COMPUTE_OPERATOR.search(name.removeprefix("aten::")) else "memory"
+
+
+def _steps(phases: list[tuple[int, int, str]]) -> list[int]:
+    """The step of each phase, in order: a step starts at a phase that comes no later in PHASES than the one before."""
+    steps, step, previous = [], 0, len(PHASES)
+    for _, _, name in phases:
+        step += PHASES.index(name) <= previous and bool(steps)
+        previous = PHASES.index(name)
+        steps.append(step)
+    return steps
+
+
+def _split(step: dict[str, float]) -> dict[str, float]:
+    """One step's seconds as data, compute, memory and overhead: the phases' time where no operator ran."""
+    total = max(step["data"] + step["phases"], step["data"] + step["compute"] + step["memory"])
+    split = {"data": step["data"], "compute": step["compute"], "memory": step["memory"]}
+    return {**split, "overhead": total - sum(split.values())}
