@@ -11,6 +11,9 @@ def test_each_name_finds_its_own_sheet_and_a_variant_gets_bandwidth_only_where_i
     assert datasheet_peak("NVIDIA A100-PCIE-40GB").memory_bytes_per_s is None, "40 and 80 GB differ: no guess"
     assert datasheet_peak("NVIDIA A100-PCIE-40GB").flops_per_s("tfloat32") == 156e12
     assert datasheet_peak("NVIDIA H100 PCIe").model == "NVIDIA H100 PCIe"
+    assert datasheet_peak("NVIDIA H200").model == "NVIDIA H200 SXM"
+    for unlisted in ("NVIDIA H200 NVL", "NVIDIA GH200 480GB", "NVIDIA H100 NVL"):
+        assert datasheet_peak(unlisted) is None, f"{unlisted} has other peaks: no neighbour's figures"
     assert datasheet_peak("Tesla T4").ridge("bfloat16") is None, "a T4 has no bfloat16 tensor cores"
 
 

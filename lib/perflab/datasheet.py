@@ -62,11 +62,11 @@ class DatasheetPeak:
         return f"DatasheetPeak({self.model}: {rates}{memory}; {self.source})"
 
 
-# A model not listed (an H100 NVL, say) gets None, not a neighbour's figures.
+# A model not listed (an H100 NVL, an H200 NVL, a GH200, say) gets None, not a neighbour's figures.
 DATASHEET_PEAKS = (
     DatasheetPeak(
         "NVIDIA H200 SXM",
-        (r"H200",),
+        (r"\bH200\b(?! NVL)",),
         (("float32", 67 * _T), ("tfloat32", 494.5 * _T), ("bfloat16", 989.5 * _T), ("float16", 989.5 * _T)),
         "https://www.nvidia.com/en-us/data-center/h200/ (TF32 989, BF16/FP16 1,979 TFLOPS with sparsity; 4.8 TB/s)",
         4.8 * _T,
