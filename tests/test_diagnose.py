@@ -63,3 +63,25 @@ def test_the_shares_chart_draws_each_run_as_one_labelled_bar():
         widths = [bar.get_width() for bar in bars if round(bar.get_y() + bar.get_height() / 2) == row]
         assert widths == pytest.approx([100 * share for share in diagnosis.shares.values()])
     assert "measured on a test machine" in " ".join(text.get_text() for text in figure.texts)
+
+
+def test_the_micro_batches_of_gradient_accumulation_belong_to_the_step_they_end_in():
+    from perflab.diagnose import _steps
+
+    accumulating = [
+        "data_wait",
+        "fwd",
+        "bwd",
+        "data_wait",
+        "fwd",
+        "bwd",
+        "opt",
+        "log",
+        "data_wait",
+        "fwd",
+        "bwd",
+        "opt",
+    ]
+    assert _steps([(i, i, name) for i, name in enumerate(accumulating)]) == [0] * 8 + [1] * 4
+    no_update = ["fwd", "bwd", "fwd", "bwd"]  # a profile of forward and backward passes only: each pass a step
+    assert _steps([(i, i, name) for i, name in enumerate(no_update)]) == [0, 0, 1, 1]

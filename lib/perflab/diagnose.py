@@ -97,8 +97,9 @@ class Diagnosis:
 def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
     """Classify a profiled run by the largest of its data, compute, memory and overhead shares.
 
-    Each share is the median over the steps of that share's seconds, so one step stalled by something outside the run
-    (the OS pausing the process while it was in one operator) counts no more than any other step.
+    Each share is its kind's median seconds per step, over the sum of the four medians: from three steps on, one step
+    stalled by something outside the run (the OS pausing the process while it was in one operator) counts no more
+    than any other step.
     """
     events = (run.profiler if isinstance(run, ProfiledRun) else run).events()
     phases = sorted(
@@ -136,16 +137,16 @@ def diagnose(run: ProfiledRun | profile, top: int = 6) -> Diagnosis:
     by_class: dict[str, float] = defaultdict(float)
     for name, spent in by_operator.items():
         by_class[_operator_class(name)] += spent
-    largest = sorted(by_operator.items(), key=lambda item: item[1], reverse=True)[:top]
+    # Each class's share, split among its operators by their time in every step.
+    operators = [
+        (name, kind, shares[kind] * spent / by_class[kind] if by_class[kind] else 0.0)
+        for name, spent in by_operator.items()
+        for kind in [_operator_class(name)]
+    ]
     return Diagnosis(
         kind=KINDS[max(shares, key=shares.get)],
         shares=shares,
-        # Each class's share, split among its operators by their time in every step.
-        operators=tuple(
-            (name, kind, shares[kind] * spent / by_class[kind])
-            for name, spent in largest
-            for kind in [_operator_class(name)]
-        ),
+        operators=tuple(sorted(operators, key=lambda operator: operator[2], reverse=True)[:top]),
     )
 
 
@@ -154,11 +155,15 @@ def _operator_class(name: str) -> str:
 
 
 def _steps(phases: list[tuple[int, int, str]]) -> list[int]:
-    """The step of each phase, in order: a step starts at a phase that comes no later in PHASES than the one before."""
-    steps, step, previous = [], 0, len(PHASES)
+    """The step of each phase, in order: a step starts at a phase that comes no later in PHASES than the one before,
+    once the step so far has updated the weights where the run has an ``opt`` phase at all (so that the micro-batches
+    of gradient accumulation belong to the step they end in)."""
+    has_opt = any(name == "opt" for _, _, name in phases)
+    steps, step, previous, updated = [], 0, len(PHASES), False
     for _, _, name in phases:
-        step += PHASES.index(name) <= previous and bool(steps)
-        previous = PHASES.index(name)
+        if steps and PHASES.index(name) <= previous and (updated or not has_opt):
+            step, updated = step + 1, False
+        previous, updated = PHASES.index(name), updated or name == "opt"
         steps.append(step)
     return steps
 

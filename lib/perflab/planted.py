@@ -11,9 +11,9 @@
     <Figure size ... with 1 Axes>
 
 Each run takes a second or a few on a 2-core CPU, and is sized so that its kind wins by a wide
-margin there (the deciding share measured 1.6 times the next or more, on a 2-core EPYC, also slowed to a
-third and shared with a busy process). They run on the CPU whatever the machine has, because a GPU
-moves the balance: its convolutions are so fast that the compute-bound run's batch would leave it
+margin there (on a quiet 2-core EPYC, the deciding share measured at least 1.6 times the next; slowed to
+a third of that CPU and shared with a busy process, each run was still named right, by as little as 1.3
+times). They run on the CPU whatever the machine has, because a GPU moves the balance: its convolutions are so fast that the compute-bound run's batch would leave it
 waiting on Python, overhead-bound. A run's kind belongs to the run *and* the machine. They also run on one thread: a multi-threaded operator on
 a machine shared with other busy processes can stall many times over waiting for its second
 thread to be scheduled, which would misname the run.
