@@ -27,7 +27,8 @@ per micro-batch and block, two all-reduces in forward and two in backward (Megat
 arXiv:1909.08053, section 3), an all-gather and a reduce-scatter each under sequence parallelism,
 again in backward under checkpointing; the embedding's all-reduce; ``loss_parallel``'s three of a
 float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced once in
-backward by FSDP2, else at each of AdamW's three reads (``_multi_tensor_adam``, ``torch/optim/adam.py``).
+backward by FSDP2, else at each of AdamW's three reads of a gradient (``lerp_`` and ``addcmul_``, single-tensor as on a
+CPU or foreach as on a GPU, ``torch/optim/adam.py``; ``fused=True`` reads it once).
 FSDP2 (``zero=3``) gathers every unit in forward, every block in backward, and reduce-scatters, per
 micro-batch; DDP all-reduces once per step, ZeRO-1 and 2 reduce-scatter and all-gather once.
 Activation collectives move 4 bytes an element in float32, 2 in bfloat16 (as Megatron-LM's do).
@@ -290,7 +291,7 @@ def _tensor_parallel(config, layout, blocks, tokens, element, microbatches, chec
         Transfer("tp", "forward", "reduce-scatter", m * 2 * L, m * 2 * L * activation),
         Transfer("tp", "backward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
         Transfer("tp", "backward", "reduce-scatter", m * (2 * L + 1), m * (2 * L + 1) * activation),
-        # FSDP2 reduces them once in backward; plain AdamW at each of its three reads in the optimizer step
+        # FSDP2 reduces them once in backward; unfused AdamW at each of its three reads in the optimizer step
         Transfer("tp", "backward", "all-reduce", norms, norms * config.n_embd * _FLOAT32)
         if layout.dp > 1
         else Transfer("tp", "optimizer step", "all-reduce", 3 * norms, 3 * norms * config.n_embd * _FLOAT32),
