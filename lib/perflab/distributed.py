@@ -253,6 +253,7 @@ def _stop(process: subprocess.Popen) -> str:
             worker.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(workers, timeout=_KILL_GRACE_S)  # SIGKILL is delivered later, on a busy machine noticeably
     try:
         console, _ = process.communicate(timeout=_KILL_GRACE_S)
     except subprocess.TimeoutExpired:  # a process we could not find still holds the output open: stop reading
