@@ -35,13 +35,18 @@ def test_time_epoch_counts_samples_steps_and_waiting():
 
 
 def test_a_pipeline_that_makes_the_step_wait_gets_a_smaller_share():
-    measured = measure_against_ceiling(
-        {"waits as long as a step": lambda seed: batches(4, delay_s=STEP_S), "instant": lambda seed: batches(4)},
-        step,
-        CEILING_BATCHES,
-        rounds=3,
-        device="cpu",
-    )
+    # The shares are timings: a busy neighbour (the suite's other worker) can stall a round, so the measurement gets a
+    # second try when its shares miss; a pipeline with these shares in truth does not miss twice.
+    for _ in range(2):
+        measured = measure_against_ceiling(
+            {"waits as long as a step": lambda seed: batches(4, delay_s=STEP_S), "instant": lambda seed: batches(4)},
+            step,
+            CEILING_BATCHES,
+            rounds=3,
+            device="cpu",
+        )
+        if 0.3 < measured.share("waits as long as a step") < 0.7 and measured.share("instant") > 0.8:
+            break
     assert measured.names == ("waits as long as a step", "instant") and measured.rounds == 3
     assert 0.3 < measured.share("waits as long as a step") < 0.7
     assert measured.share("instant") > 0.8

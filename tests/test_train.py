@@ -167,8 +167,13 @@ def test_compiled_training_trains():
 
 
 def test_naive_and_optimized_train_the_same_model_on_the_same_samples():
-    naive, optimized = (train(config, TINY, progress=False) for config in (NAIVE, OPTIMIZED))
-    assert naive.samples == optimized.samples and naive.model_parameters == optimized.model_parameters
+    # The shares are timings: a busy neighbour (the suite's other worker) can stall either run, so the comparison
+    # gets a second pair of runs; a pipeline that waits less in truth does not lose both.
+    for _ in range(2):
+        naive, optimized = (train(config, TINY, progress=False) for config in (NAIVE, OPTIMIZED))
+        assert naive.samples == optimized.samples and naive.model_parameters == optimized.model_parameters
+        if naive.phase_shares["data_wait"] > optimized.phase_shares["data_wait"]:
+            break
     assert naive.phase_shares["data_wait"] > optimized.phase_shares["data_wait"], "the PIL path waits for data longer"
 
 
