@@ -3,6 +3,7 @@ import fcntl
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,46 @@ def _deprecations_are_errors() -> str:
     return ",".join(
         f"error::{category}:{module}" for module in modules for category in ("DeprecationWarning", "FutureWarning")
     )
+
+
+# The variables that cap a process's threads (OpenMP's, MKL's, OpenBLAS's), as Dask's nanny sets them.
+_THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _cap_threads_to_a_share(workers: int) -> None:
+    """Give this xdist worker, and every process it starts, its share of the cores in threads: two workers on two
+    cores each running torch on two threads leave every parallel region waiting for a descheduled thread (lecture 03's
+    data loading measured 6-8x slower beside two busy processes, not 2x). Caps set by whoever started pytest stay."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, cores // workers)
+    if share >= cores or any(name in os.environ for name in _THREAD_CAPS):
+        return
+    os.environ.update({name: str(share) for name in _THREAD_CAPS})
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(share)
+    _THREADS_CAPPED.update(share=share, cores=cores)
+
+
+_THREADS_CAPPED: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def _every_core():
+    """Within the block, this process and what it starts run on every core: a measurement has the machine alone."""
+    if not _THREADS_CAPPED:
+        yield
+        return
+    for name in _THREAD_CAPS:
+        os.environ.pop(name, None)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(_THREADS_CAPPED["cores"])
+    try:
+        yield
+    finally:
+        os.environ.update({name: str(_THREADS_CAPPED["share"]) for name in _THREAD_CAPS})
+        if torch is not None:
+            torch.set_num_threads(_THREADS_CAPPED["share"])
 
 
 class Machine:
@@ -68,7 +109,8 @@ class Machine:
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
-            yield
+            with _every_core():
+                yield
         finally:
             fcntl.flock(self._lock, fcntl.LOCK_SH if was_shared else fcntl.LOCK_UN)
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
@@ -124,6 +166,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config._perflab_machine = _machine(config)
+    config._perflab_threads_preset = [name for name in _THREAD_CAPS if name in os.environ]
+    if hasattr(config, "workerinput"):
+        _cap_threads_to_a_share(config.workerinput["workercount"])
     # A suite started in the background by a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored,
     # and so would every process it starts: the tests that interrupt a grading or a kernel need it delivered.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -138,14 +183,18 @@ COMPAT_ROUND_TRIPS = ("lab05_memory", "lab06_compile")
 
 
 # The work xdist hands out whole, in this order (--no-loadscope-reorder keeps it): the grading round trip (a module
-# fixture grades every lab), every lecture with the website's test (which reuses the lectures as this process ran
-# them), then each other module.
+# fixture grades every lab), the lectures, then each other module. When the website's test runs, every lecture and it
+# are one unit, as it reuses the lectures as this process ran them; otherwise (the compatibility tier) each lecture is
+# a unit of its own, and the workers share them.
 _LONGEST_GROUPS = ("tests/test_labs.py", "lectures")
+_SITE_TEST = "tests/test_site.py"
 
 
-def _xdist_group(nodeid: str) -> str:
+def _xdist_group(nodeid: str, lectures_together: bool = True) -> str:
     path = nodeid.split("::")[0]
-    return "lectures" if path.startswith("lectures/") or path == "tests/test_site.py" else path
+    if path.startswith("lectures/") or path == _SITE_TEST:
+        return "lectures" if lectures_together else path
+    return path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -154,7 +203,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _xdist_group(nodeid)
+            # Called once the collection is complete: whether it holds the website's test is known.
+            if not hasattr(self, "_site_tested"):
+                self._site_tested = any(other.startswith(_SITE_TEST) for other in self.collection)
+            return _xdist_group(nodeid, lectures_together=self._site_tested)
 
     return GroupScheduling(config, log)
 
