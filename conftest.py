@@ -1,5 +1,4 @@
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -36,8 +35,8 @@ def _deprecations_are_errors() -> str:
     )
 
 
-# The variables that cap a process's threads (OpenMP's, MKL's, OpenBLAS's), as Dask's nanny sets them: the names
-# perflab.grading.working_copy lifts for a measured grading, written again because importing it loads torch here.
+# The variables that cap a process's threads (OpenMP's, MKL's, OpenBLAS's): perflab.grading.machine_lock.THREAD_CAPS,
+# written again because importing perflab loads torch, and a worker caps its threads before torch starts its own.
 _THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -81,47 +80,31 @@ class Machine:
     """This machine, shared by the tests of every pytest run on it (xdist's workers, two suites started at once)
     and taken alone by a measurement, which another test's load would make inconclusive.
 
-    A readers-writer lock on two files: a test holds the lock shared while it runs; ``with machine.alone():``
-    waits until the tests running now end, and new ones wait for it. A pytest started by a test takes no lock: the
-    test that started it holds one."""
+    A test holds the lock shared while it runs (:class:`perflab.grading.machine_lock.MachineLock`); ``with
+    machine.alone():`` waits until the tests running now end, and new ones wait for it; ``with machine.lent():``
+    hands the machine to the gradings a test starts with ``machine.environment()``, which take it themselves. A
+    pytest started by a test takes no lock: the test that started it holds one."""
 
     def __init__(self, path: Path):
-        self._lock = open(path, "a")  # noqa: SIM115 - held for the whole run
-        self._turnstile = open(path.with_name(path.name + ".turnstile"), "a")  # noqa: SIM115
-        self._shared = False
+        from perflab.grading.machine_lock import MachineLock  # loads torch: only in a process that runs tests
 
-    @contextlib.contextmanager
-    def shared(self):
-        # Through the turnstile first: a measurement waiting there goes before any test that comes after it.
-        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-        fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-        fcntl.flock(self._lock, fcntl.LOCK_SH)
-        self._shared = True
-        try:
-            yield
-        finally:
-            self._shared = False
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock = MachineLock(path)
+        self.shared, self.lent, self.environment = self._lock.shared, self._lock.lent, self._lock.environment
 
     @contextlib.contextmanager
     def alone(self):
-        was_shared, self._shared = self._shared, False
-        fcntl.flock(self._lock, fcntl.LOCK_UN)  # this test's own share would keep it waiting
-        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
-            with _every_core():
-                yield
-        finally:
-            fcntl.flock(self._lock, fcntl.LOCK_SH if was_shared else fcntl.LOCK_UN)
-            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-            self._shared = was_shared
+        with self._lock.alone(), _every_core():
+            yield
 
 
 class _NoMachineLock:
     """What a pytest started by a test uses: the test that started it holds the machine."""
 
-    shared = alone = staticmethod(contextlib.nullcontext)
+    shared = alone = lent = staticmethod(contextlib.nullcontext)
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        return {}
 
 
 # Who takes the machine lock: a pytest started by hand or by make, or the workers of one; not a pytest a test starts.
@@ -142,7 +125,7 @@ def _machine(config) -> Machine | _NoMachineLock:
     if not takes:
         return _NoMachineLock()
     os.environ[_MACHINE_HELD] = "by-a-test"
-    return Machine(Path(os.environ.get("PERFLAB_MACHINE_LOCK", Path(tempfile.gettempdir()) / "perflab-machine.lock")))
+    return Machine(Path(tempfile.gettempdir()) / "perflab-machine.lock")
 
 
 @pytest.fixture(scope="session")
@@ -166,10 +149,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config._perflab_machine = _machine(config)
     config._perflab_threads_preset = [name for name in _THREAD_CAPS if name in os.environ]
     if hasattr(config, "workerinput") and not config._perflab_threads_preset:  # caps set before pytest started stay
         _cap_threads_to_a_share(config.workerinput["workercount"])
+    config._perflab_machine = _machine(config)
     # A suite started in the background by a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored,
     # and so would every process it starts: the tests that interrupt a grading or a kernel need it delivered.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:

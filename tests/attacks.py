@@ -651,7 +651,7 @@ FAILS = {
 }
 # The submissions of a measured lab that the grader refuses before it times anything ("not measured" on every
 # measured cell, which the round trip checks): the untouched release, whose answers raise NotImplementedError, and
-# these attacks. Their gradings need no machine to themselves, and run beside others.
+# these attacks.
 MEASURES_NOTHING = {
     "lab02_profiling": ("untouched", "attack_huge_message"),
     "lab03_data_loading": ("untouched", "attack_replayed_epochs"),

@@ -142,10 +142,10 @@ def _grading_seconds(log: str) -> dict[tuple[str, str], float]:
     return {(lab, student): end - start for (start, lab, student), end in zip(starts, ends)}
 
 
-# Seconds the gradings of the two halves took here (build/grading-times.tsv, make test, 2026-11-29): an unmeasured
-# lab's submissions together, and each of MEASURES_NOTHING's on its own. What is not listed counts as a long lab or as
-# an attack on the capstone (most of them, at 14-23 s).
-_HALF_SECONDS = {
+# Seconds the gradings took here (build/grading-times.tsv, make test, 2026-11-29): an unmeasured lab's submissions
+# together, and each submission of a measured lab on its own. What is not listed counts as a long unmeasured lab or
+# as an attack on a measured lab (most of them, at 14-28 s).
+_GRADING_SECONDS = {
     "lab01_timing": 20,
     "lab04_amp": 23,
     "lab05_memory": 44,
@@ -154,25 +154,29 @@ _HALF_SECONDS = {
     "lab09_sharding": 116,
     "lab10_flash_triton": 73,
     "lab11_megatron": 44,
+    ("lab02_profiling", "solved"): 37,
     ("lab02_profiling", "untouched"): 26,
-    ("lab02_profiling", "attack_huge_message"): 22,
+    ("lab03_data_loading", "solved"): 50,
     ("lab03_data_loading", "untouched"): 44,
+    ("lab03_data_loading", "attack_row_by_row"): 35,
     ("lab03_data_loading", "attack_replayed_epochs"): 38,
-    ("lab06_compile", "untouched"): 18,
-    ("lab06_compile", "attack_lazy_step"): 24,
+    ("lab06_compile", "solved"): 69,
+    ("lab12_capstone", "solved"): 180,
     ("lab12_capstone", "untouched"): 108,
+    ("lab12_capstone", "attack_workload_reassigned"): 86,
+    ("lab12_capstone", "attack_too_slow"): 68,
 }
 
 
 def _grading_seconds_expected(unit) -> int:
-    return _HALF_SECONDS.get(unit, 60 if isinstance(unit, str) else 20)
+    return _GRADING_SECONDS.get(unit, 60 if isinstance(unit, str) else 20)
 
 
 def _two_halves(work: list) -> tuple[set, set]:
     """``work``, labs graded whole and (lab, student) submissions, in two sets of about equal grading time: the
     longest first, each to the set that takes less so far."""
     halves, totals = (set(), set()), [0, 0]
-    for unit in sorted(work, key=lambda unit: -_grading_seconds_expected(unit)):
+    for unit in sorted(work, key=lambda unit: (-_grading_seconds_expected(unit), str(unit))):
         shorter = totals.index(min(totals))
         halves[shorter].add(unit)
         totals[shorter] += _grading_seconds_expected(unit)
@@ -197,11 +201,12 @@ def _keep_only(course: NbgraderCourse, graded_here) -> None:
             shutil.rmtree(handed_in)
 
 
-def _autograde_all(course: NbgraderCourse) -> str:
-    """Every submission ``course`` holds, in one `nbgrader autograde`: each command costs an nbgrader start (~4 s)."""
+def _autograde_all(course: NbgraderCourse, env: dict[str, str]) -> str:
+    """Every submission ``course`` holds, in one `nbgrader autograde` with ``env`` added to its environment: each
+    command costs an nbgrader start (~4 s)."""
     if not any((course.root / "submitted").glob("*/*")):
         return ""  # nbgrader fails when it finds nothing to grade
-    return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=1800)
+    return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=1800, env=env)
 
 
 def _merge_gradings(source: NbgraderCourse, course: NbgraderCourse, lab: str) -> None:
@@ -232,10 +237,9 @@ def graded_course(released_course, tmp_path_factory, request, machine):
     again (as `perflab grade` does, up to 3 times), then `generate_feedback` (of the solutions and the leak
     attack) and `export`.
 
-    The measured labs are graded one after another, each with the machine to itself (as `perflab grade` gives
-    it), but for MEASURES_NOTHING's submissions. The others are graded two at a time, as `perflab grade` on two
-    workers would: each half in a copy of the course, merged back as its merge does. Two autogrades on one
-    gradebook would wait on each other."""
+    The submissions are graded two at a time, as `perflab grade` on two workers would: each half in a copy of the
+    course, merged back as its merge does (two autogrades on one gradebook would wait on each other). The machine is
+    lent to the gradings: each kernel shares it with the other tests, and each trusted measurement has it alone."""
     folder = tmp_path_factory.mktemp("graded")
     course = released_course.copy_to(folder)
     labs = _labs_to_grade(request.session)
@@ -245,30 +249,28 @@ def graded_course(released_course, tmp_path_factory, request, machine):
         for name in _attacks(lab, request.config):
             course.submit_notebook(f"attack_{name}", lab, *build_attack(lab, name))
     halves = [course.copy_to(tmp_path_factory.mktemp(f"graded-half{number}")) for number in (1, 2)]
-    measuring_nothing = {(lab, student) for lab, student in _measuring_nothing(request.config) if lab in labs}
-    for half, graded_there in zip(
-        halves, _two_halves([lab for lab in labs if lab not in MEASURED_CELLS] + sorted(measuring_nothing))
-    ):
+    handed_in = [(path.parent.name, path.name) for path in (course.root / "submitted").glob("*/*")]
+    work = [lab for lab in labs if lab not in MEASURED_CELLS]
+    work += sorted((lab, student) for student, lab in handed_in if lab in MEASURED_CELLS)
+    for half, graded_there in zip(halves, _two_halves(work)):
         _keep_only(half, lambda lab, student, there=graded_there: lab in there or (lab, student) in there)
-    _keep_only(course, lambda lab, student: lab in MEASURED_CELLS and (lab, student) not in measuring_nothing)
+    _keep_only(course, lambda lab, student: False)
     before = _source_digests()
     gradebook_mode = (course.root / "gradebook.db").stat().st_mode
-    with machine.alone():
-        seconds = _grading_seconds(_autograde_all(course))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for log in pool.map(_autograde_all, halves):
+    seconds = {}
+    with machine.lent(), ThreadPoolExecutor(max_workers=2) as pool:
+        for log in pool.map(lambda half: _autograde_all(half, machine.environment()), halves):
             seconds.update(_grading_seconds(log))
     for half in halves:
         for lab in sorted({path.name for path in (half.root / "submitted").glob("*/*")}):
             _merge_gradings(half, course, lab)
     for _ in range(_REGRADES - 1):
         for lab, student in _not_decided(course):
-            graded_in = next(c for c in (course, *halves) if (c.root / "submitted" / student / lab).is_dir())
+            graded_in = next(half for half in halves if (half.root / "submitted" / student / lab).is_dir())
             with machine.alone():
                 log = graded_in.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=1800)
             seconds.update(_grading_seconds(log))
-            if graded_in is not course:
-                _merge_gradings(graded_in, course, lab)
+            _merge_gradings(graded_in, course, lab)
     # Feedback for the reference solutions and the leak only: the tests read no other, and each page costs an export.
     course.run("generate_feedback", "*", "--student", "solved", "--force")
     if "lab01_timing" in labs and "leak" in _attacks("lab01_timing", request.config):
@@ -348,7 +350,7 @@ def test_grading_round_trip(graded_course, lab, pytestconfig):
         measured = {
             cell: text for cell, text in _measured_outputs(course, student, lab).items() if "not measured" not in text
         }
-        assert not measured, f"{student} was graded beside others, but the grader measured {measured}"
+        assert not measured, f"{student}'s answers must be refused before anything is timed, but were: {measured}"
     if lab == "lab12_capstone" and attacks:
         too_slow = _measured_outputs(course, "attack_too_slow", lab)["test_regrade"]
         assert "FAIL" in too_slow and "under the 2.0x required" in too_slow, too_slow

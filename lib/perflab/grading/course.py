@@ -45,14 +45,14 @@ class NbgraderCourse:
         )
         return cls(root)
 
-    def run(self, *args: str, timeout: float = 900, as_module: bool = False) -> str:
-        """Run ``nbgrader ARGS`` here (``python -m nbgrader ARGS`` if ``as_module``); raise with nbgrader's own output
-        when it fails."""
+    def run(self, *args: str, timeout: float = 900, as_module: bool = False, env: dict[str, str] | None = None) -> str:
+        """Run ``nbgrader ARGS`` here (``python -m nbgrader ARGS`` if ``as_module``), with ``env`` added to its
+        environment; raise with nbgrader's own output when it fails."""
         nbgrader = [sys.executable, "-m", "nbgrader"] if as_module else [str(Path(sys.executable).parent / "nbgrader")]
         completed = subprocess.run(
             [*nbgrader, *args],
             cwd=self.root,
-            env=self.environment(),
+            env={**self.environment(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,

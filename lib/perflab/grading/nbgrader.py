@@ -10,11 +10,16 @@ kernel has ended and before ``SaveAutoGrades`` reads the outputs, replaces each 
 output with what the trusted grader measured: a pass prints the measurement, a fail or an
 inconclusive measurement raises it as an error, which scores zero and shows in the feedback.
 
+When the process that started nbgrader lent it the machine (:mod:`perflab.grading.machine_lock`), each
+kernel holds the machine's lock shared while it lives, and the trusted grader holds it alone while it
+measures, on every core.
+
 Used by nbgrader_config.py, the course's nbgrader configuration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -34,8 +39,9 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 from traitlets import Bool, Integer
 
-from perflab.grading import DECIDED_OUTSIDE
+from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.answers import AnswerError, handed_in
+from perflab.grading.machine_lock import THREAD_CAPS, MachineLock
 from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import Verdict
 
@@ -94,8 +100,11 @@ class SandboxedExecute(Execute):
         # Each cell has its limit (timeout); a notebook of many cells, each just under it, has this one.
         self._deadline = time.monotonic() + self.notebook_timeout
         self.timeout_func = lambda cell: max(1, min(self.timeout, int(self._deadline - time.monotonic())))
+        # Shared while the kernel lives, not cell by cell: what a cell leaves running in it is load on the machine.
+        machine = MachineLock.from_environment()
         try:
-            return super().preprocess(nb, resources, km)
+            with machine.shared() if machine else contextlib.nullcontext():
+                return super().preprocess(nb, resources, km)
         finally:
             self._remove_what_leads_out(folder)
 
@@ -341,9 +350,15 @@ class TrustedMeasurement(NbGraderPreprocessor):
         """The verdicts of the trusted grading process; "grading failed" for every cell if it fails or runs too long.
 
         Its output goes to files, never to pipes that could fill while nobody reads them, and at the
-        deadline its whole process group is killed, whatever it is doing.
+        deadline its whole process group is killed, whatever it is doing. On a machine lent to this
+        grading, a grader that times answers has it alone, on every core.
         """
+        machine, env = MachineLock.from_environment(), None
+        timed = bool(set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())))
+        if machine and timed:
+            env = {name: value for name, value in os.environ.items() if name not in THREAD_CAPS}
         with (
+            (machine.alone() if timed else machine.shared()) if machine else contextlib.nullcontext(),
             tempfile.TemporaryFile("w+") as job_file,
             tempfile.TemporaryFile("w+") as out,
             tempfile.NamedTemporaryFile("w+", prefix="perflab-grader-") as errors,
@@ -357,6 +372,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
                 stderr=errors,
                 text=True,
                 start_new_session=True,
+                env=env,
             )
             returncode = self._wait_logging(process, errors.name)
             out.seek(0)

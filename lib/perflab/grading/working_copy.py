@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import multiprocessing
 import os
@@ -40,6 +39,8 @@ from pathlib import Path
 
 import nbformat
 
+from perflab.grading.machine_lock import THREAD_CAPS, MachineLock
+
 __all__ = [
     "CourseBundle",
     "Graded",
@@ -52,9 +53,6 @@ __all__ = [
     "write_folder",
 ]
 
-# Dask's nanny caps the threads of each worker process at one (pre-spawn-environ): right for gradings that
-# share a machine, wrong for a measured grading, which has the machine to itself and is compared with serial ones.
-_THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _LOCK_FILE = Path(tempfile.gettempdir()) / f"perflab-grading-{os.getuid()}.lock"
 _INCONCLUSIVE_ERROR = "GraderInconclusive"  # the error perflab.grading.nbgrader writes into an inconclusive cell
 _GRADER_ERROR = "GraderError"  # ... and into a cell whose grading failed (a crash, a timeout): not scored
@@ -122,18 +120,9 @@ def nbgrader_environment() -> dict[str, str]:
 
 
 def machine_lock(exclusive: bool, path: Path = _LOCK_FILE) -> contextlib.AbstractContextManager:
-    """A lock on this machine: exclusive for a measured grading, shared for the others."""
-
-    @contextlib.contextmanager
-    def held():
-        with open(path, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-    return held()
+    """A lock on this machine: alone for a measured grading, shared for the others."""
+    machine = MachineLock(path)
+    return machine.alone() if exclusive else machine.shared()
 
 
 def write_folder(folder: Path, files: dict[str, tuple[bytes, int]]) -> None:
@@ -275,8 +264,8 @@ def grade_in_working_copy(
         cache.mkdir(parents=True, exist_ok=True)
         (root / ".perflab-grading").symlink_to(cache)
         env = nbgrader_environment()
-        if bundle.measured:
-            for name in _THREAD_CAPS:
+        if bundle.measured:  # Dask's nanny caps each worker at one thread: right beside others, not alone
+            for name in THREAD_CAPS:
                 env.pop(name, None)
         db_url = f"sqlite:///{root / 'gradebook.db'}"
         args = ["autograde", bundle.lab, "--student", submission.student, f"--CourseDirectory.db_url={db_url}"]
