@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import multiprocessing
 import sys
 import threading
@@ -11,10 +10,10 @@ import time
 
 import nbformat
 import pytest
-from perflab.grading.machine_lock import LOCK_VARIABLE, MachineLock
+from perflab.grading.machine_lock import LOCK_VARIABLE, MachineLock, lent_machine
 from perflab.grading.nbgrader import SandboxedExecute, TrustedMeasurement
 from perflab.grading.sandbox import bwrap_works
-from perflab.grading.verdict import Verdict
+from perflab.grading.verdict import LoadMeter, Verdict
 
 _FORK = multiprocessing.get_context("fork")  # the children need nothing imported anew
 
@@ -64,45 +63,56 @@ def test_lending_the_machine_drops_this_process_share_and_takes_it_back(tmp_path
     assert machine.environment() == {LOCK_VARIABLE: str(machine.path)}
 
 
-# The stand-in for the trusted grader: which lock it could take beside the grading, and the threads it was given.
-_PROBE = """
-import fcntl, json, os
-probe = open({path!r}, "a")
-could = []
-for name, how in (("shared", fcntl.LOCK_SH), ("alone", fcntl.LOCK_EX)):
+def test_a_measurement_has_a_lent_machine_alone_and_gives_it_back(tmp_path, monkeypatch):
+    path = tmp_path / "machine.lock"
+    monkeypatch.setenv(LOCK_VARIABLE, str(path))
+    lent_machine.cache_clear()
     try:
-        fcntl.flock(probe, how | fcntl.LOCK_NB)
-        fcntl.flock(probe, fcntl.LOCK_UN)
-        could.append(name)
-    except BlockingIOError:
-        pass
+        with lent_machine().shared():
+            with LoadMeter():
+                other, other_running, other_ends = _start(path, "shared")
+                assert not other_running.wait(1), "other work ran beside a measurement"
+                assert "alone" in repr(lent_machine())
+                with LoadMeter():  # a measurement within it keeps the machine
+                    assert not other_running.wait(0.2)
+            assert other_running.wait(30) and "shared" in repr(lent_machine())
+            other_ends.set()
+            other.join(30)
+    finally:
+        lent_machine.cache_clear()
+
+
+# The stand-in for the trusted grader: the threads it was given, as a verdict.
+_PROBE = """
+import json, os
 verdict = {verdict!r}
-verdict["measured"] = json.dumps([could, os.environ.get("OMP_NUM_THREADS")])
+verdict["measured"] = str(os.environ.get("OMP_NUM_THREADS"))
 print(json.dumps({{"{cell}": verdict}}))
 """
 
 
 @pytest.mark.parametrize(
-    ("lab", "cell", "others_may", "threads"),
-    [("lab12_capstone", "test_regrade", [], None), ("lab11_megatron", "test_f_g", ["shared"], "1")],
+    ("lab", "cell", "threads"), [("lab12_capstone", "test_regrade", "None"), ("lab11_megatron", "test_f_g", "1")]
 )
-def test_a_lent_grader_has_the_machine_alone_on_every_core_only_while_it_times(
-    tmp_path, monkeypatch, lab, cell, others_may, threads
-):
-    path = tmp_path / "machine.lock"
-    probe = _PROBE.format(path=str(path), verdict=Verdict.refused("probe").to_dict(), cell=cell)
+def test_a_lent_grader_that_times_runs_on_every_core(tmp_path, monkeypatch, lab, cell, threads):
+    probe = _PROBE.format(verdict=Verdict.refused("probe").to_dict(), cell=cell)
     monkeypatch.setattr("perflab.grading.nbgrader.trusted_python", lambda module: [sys.executable, "-c", probe])
-    monkeypatch.setenv(LOCK_VARIABLE, str(path))
+    monkeypatch.setenv(LOCK_VARIABLE, str(tmp_path / "machine.lock"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    verdict = TrustedMeasurement(timeout=60)._run({"lab": lab, "handed_in": {cell: {}}})[cell]
-    assert json.loads(verdict.measured) == [others_may, threads]
+    lent_machine.cache_clear()
+    try:
+        verdict = TrustedMeasurement(timeout=60)._run({"lab": lab, "handed_in": {cell: {}}})[cell]
+    finally:
+        lent_machine.cache_clear()
+    assert verdict.measured == threads
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not bwrap_works(), reason="the sandbox needs bubblewrap (apt-get install bubblewrap)")
-def test_a_lent_grading_shares_the_machine_while_its_kernel_lives(tmp_path, monkeypatch):
+def test_a_lent_grading_shares_the_machine_while_its_kernel_runs_a_cell(tmp_path, monkeypatch):
     path = tmp_path / "machine.lock"
     monkeypatch.setenv(LOCK_VARIABLE, str(path))
+    lent_machine.cache_clear()
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time\ntime.sleep(3)")])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     seen = []
@@ -124,6 +134,7 @@ def test_a_lent_grading_shares_the_machine_while_its_kernel_lives(tmp_path, monk
     executing.start()
     probe()
     executing.join()
-    assert "shared" in seen, "the kernel ran without a share of the machine"
+    lent_machine.cache_clear()
+    assert "shared" in seen, "the kernel ran a cell without a share of the machine"
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and gave it back once it ended

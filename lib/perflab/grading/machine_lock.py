@@ -14,9 +14,11 @@ operating system releases a process's locks when it ends.
 
 A process that starts gradings can hand them the machine (``lent``): it drops its own share, and each
 ``nbgrader autograde`` it starts with :func:`MachineLock.environment` in its environment takes the lock
-itself, shared while a learner's kernel runs and alone while the trusted grader measures
-(:mod:`perflab.grading.nbgrader`). A measured grading then leaves the machine to other work while only
-the learner's kernel runs, which needs no quiet machine.
+itself (:func:`lent_machine`): shared while a cell of a learner's kernel runs
+(:mod:`perflab.grading.nbgrader`) and while the trusted grader runs (:mod:`perflab.grading.session`),
+alone only while the grader times answers (:class:`perflab.grading.verdict.LoadMeter`). A measured
+grading then leaves the machine to other work while the learner's kernel runs, which needs no quiet
+machine, and a grading that times nothing never waits for it.
 
 Used by perflab.grading.nbgrader, perflab.grading.working_copy and the test suite (conftest.py).
 """
@@ -25,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOCK_VARIABLE", "THREAD_CAPS", "MachineLock"]
+__all__ = ["LOCK_VARIABLE", "THREAD_CAPS", "MachineLock", "lent_machine"]
 
 # Names the lock file to the gradings a process lent the machine to.
 LOCK_VARIABLE = "PERFLAB_MACHINE_LOCK"
@@ -45,16 +48,11 @@ class MachineLock:
         self.path = Path(path)
         self._lock = open(self.path, "a")  # noqa: SIM115 - held as long as this object
         self._turnstile = open(self.path.with_name(self.path.name + ".turnstile"), "a")  # noqa: SIM115
-        self._shared = False
+        self._shared = self._alone = False
 
     def __repr__(self) -> str:
-        return f"MachineLock({str(self.path)!r}{', shared' if self._shared else ''})"
-
-    @classmethod
-    def from_environment(cls, environ=os.environ) -> MachineLock | None:
-        """The lock a process that lent this one the machine named, if any."""
-        path = environ.get(LOCK_VARIABLE)
-        return cls(Path(path)) if path else None
+        held = ", alone" if self._alone else ", shared" if self._shared else ""
+        return f"MachineLock({str(self.path)!r}{held})"
 
     def environment(self) -> dict[str, str]:
         """What to add to the environment of a grading that takes this lock itself (see ``lent``)."""
@@ -75,13 +73,18 @@ class MachineLock:
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
+        if self._alone:  # a measurement within a measurement: the machine is this process's already
+            yield
+            return
         with self.lent():  # this process's own share would keep it waiting
             fcntl.flock(self._turnstile, fcntl.LOCK_EX)
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX)
+                self._alone = True
                 try:
                     yield
                 finally:
+                    self._alone = False
                     fcntl.flock(self._lock, fcntl.LOCK_UN)
             finally:
                 fcntl.flock(self._turnstile, fcntl.LOCK_UN)
@@ -100,3 +103,11 @@ class MachineLock:
                 fcntl.flock(self._turnstile, fcntl.LOCK_UN)
                 fcntl.flock(self._lock, fcntl.LOCK_SH)
                 self._shared = was_shared
+
+
+@functools.cache
+def lent_machine() -> MachineLock | None:
+    """The machine's lock, one per process, if the process that started this one lent it the machine (by
+    :meth:`MachineLock.environment`); None otherwise: a grading started by hand takes no lock."""
+    path = os.environ.get(LOCK_VARIABLE)
+    return MachineLock(Path(path)) if path else None

@@ -11,8 +11,8 @@ output with what the trusted grader measured: a pass prints the measurement, a f
 inconclusive measurement raises it as an error, which scores zero and shows in the feedback.
 
 When the process that started nbgrader lent it the machine (:mod:`perflab.grading.machine_lock`), each
-kernel holds the machine's lock shared while it lives, and the trusted grader holds it alone while it
-measures, on every core.
+cell of the learner's kernel runs with a share of the machine's lock, and the trusted grader, which
+runs on every core when it times answers, takes the lock itself.
 
 Used by nbgrader_config.py, the course's nbgrader configuration.
 """
@@ -41,7 +41,7 @@ from traitlets import Bool, Integer
 
 from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.answers import AnswerError, handed_in
-from perflab.grading.machine_lock import THREAD_CAPS, MachineLock
+from perflab.grading.machine_lock import LOCK_VARIABLE, THREAD_CAPS, lent_machine
 from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import Verdict
 
@@ -70,6 +70,8 @@ class SandboxedKernelManager(AsyncKernelManager):
         self.ip = os.path.join(self._socket_dir, "kernel")
 
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+        # The machine's lock is this process's to take for the kernel, never the learner's to take or hold.
+        kw.get("env", {}).pop(LOCK_VARIABLE, None)
         if require_sandbox():
             workdir = os.path.abspath(kw.get("cwd") or os.getcwd())
             kernel_cmd = sandbox_command(
@@ -100,11 +102,8 @@ class SandboxedExecute(Execute):
         # Each cell has its limit (timeout); a notebook of many cells, each just under it, has this one.
         self._deadline = time.monotonic() + self.notebook_timeout
         self.timeout_func = lambda cell: max(1, min(self.timeout, int(self._deadline - time.monotonic())))
-        # Shared while the kernel lives, not cell by cell: what a cell leaves running in it is load on the machine.
-        machine = MachineLock.from_environment()
         try:
-            with machine.shared() if machine else contextlib.nullcontext():
-                return super().preprocess(nb, resources, km)
+            return super().preprocess(nb, resources, km)
         finally:
             self._remove_what_leads_out(folder)
 
@@ -115,7 +114,9 @@ class SandboxedExecute(Execute):
                 nbformat.v4.new_output("error", ename="NotebookTimeout", evalue=message, traceback=[message])
             ]
             return cell, resources
-        return super().preprocess_cell(cell, resources, index)
+        # Cell by cell, so that a measurement waits for one cell of a kernel, not for its whole notebook.
+        with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
+            return super().preprocess_cell(cell, resources, index)
 
     def _remove_what_leads_out(self, folder: str) -> None:
         removed = remove_what_leads_out(folder)
@@ -351,14 +352,12 @@ class TrustedMeasurement(NbGraderPreprocessor):
 
         Its output goes to files, never to pipes that could fill while nobody reads them, and at the
         deadline its whole process group is killed, whatever it is doing. On a machine lent to this
-        grading, a grader that times answers has it alone, on every core.
+        grading, a grader that times answers runs on every core: it has the machine alone while it times.
         """
-        machine, env = MachineLock.from_environment(), None
-        timed = bool(set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())))
-        if machine and timed:
+        env = None
+        if lent_machine() and set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())):
             env = {name: value for name, value in os.environ.items() if name not in THREAD_CAPS}
         with (
-            (machine.alone() if timed else machine.shared()) if machine else contextlib.nullcontext(),
             tempfile.TemporaryFile("w+") as job_file,
             tempfile.TemporaryFile("w+") as out,
             tempfile.NamedTemporaryFile("w+", prefix="perflab-grader-") as errors,

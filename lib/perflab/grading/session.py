@@ -4,17 +4,21 @@
 
 The job names the lab and holds the course's cells (from the instructor's source notebook), the
 learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
-in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout.
+in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout. On a
+machine lent to the grading (:mod:`perflab.grading.machine_lock`) it holds a share of the machine's
+lock while it runs, and has the machine alone while it times answers (``LoadMeter``).
 
 Used by perflab.grading.nbgrader, which starts it as the trusted grading process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
 from perflab.grading.answers import AnswerError
+from perflab.grading.machine_lock import lent_machine
 from perflab.grading.verdict import Verdict
 
 __all__ = ["main"]
@@ -48,7 +52,8 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    verdicts = _grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
+    with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
+        verdicts = _grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
     print(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}))
 
 

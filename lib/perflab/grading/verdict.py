@@ -45,6 +45,7 @@ Used by perflab.capstone and perflab.grading.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from typing import Literal, get_args
 import psutil
 
 from perflab.bench import Comparison
+from perflab.grading.machine_lock import lent_machine
 
 __all__ = [
     "INCONCLUSIVE",
@@ -101,13 +103,17 @@ def _busy_seconds() -> float:
 
 
 class LoadMeter:
-    """How many cores' worth of CPU time processes other than ours took during a block."""
+    """How many cores' worth of CPU time processes other than ours took during a block: a measurement. On a machine
+    lent to this grading (:func:`perflab.grading.machine_lock.lent_machine`), the block has the machine alone."""
 
     def __init__(self, ours: Callable[[], float] = own_cpu_seconds):
         self.ours = ours
         self.other_cores = 0.0
+        self._alone = contextlib.ExitStack()
 
     def __enter__(self) -> LoadMeter:
+        if machine := lent_machine():
+            self._alone.enter_context(machine.alone())
         self._start = (time.perf_counter(), _busy_seconds(), self.ours())
         return self
 
@@ -115,6 +121,7 @@ class LoadMeter:
         wall, busy, ours = self._start
         elapsed = time.perf_counter() - wall
         self.other_cores = max(0.0, (_busy_seconds() - busy) - (self.ours() - ours)) / max(elapsed, 1e-9)
+        self._alone.close()
 
 
 def noise_problems(comparison: Comparison, load: LoadMeter, threshold: float) -> list[str]:
