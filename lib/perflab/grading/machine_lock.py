@@ -58,18 +58,24 @@ class MachineLock:
         """What to add to the environment of a grading that takes this lock itself (see ``lent``)."""
         return {LOCK_VARIABLE: str(self.path)}
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def _take_a_share(self) -> None:
         # Through the turnstile first: a measurement waiting there goes before any work that comes after it.
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         fcntl.flock(self._turnstile, fcntl.LOCK_UN)
         fcntl.flock(self._lock, fcntl.LOCK_SH)
         self._shared = True
+
+    def _give_the_share_back(self) -> None:
+        self._shared = False
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        self._take_a_share()
         try:
             yield
         finally:
-            self._shared = False
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._give_the_share_back()
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
@@ -92,17 +98,14 @@ class MachineLock:
     @contextlib.contextmanager
     def lent(self) -> Iterator[None]:
         """Within the block this process holds no share: what it starts takes the machine itself."""
-        was_shared, self._shared = self._shared, False
+        was_shared = self._shared
         if was_shared:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._give_the_share_back()
         try:
             yield
         finally:
             if was_shared:
-                fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-                fcntl.flock(self._lock, fcntl.LOCK_SH)
-                self._shared = was_shared
+                self._take_a_share()
 
 
 @functools.cache
