@@ -5,7 +5,7 @@
     >>> with page_faults() as faults:
     ...     activations = torch.ones(2**24)   # 64 MiB, above any threshold glibc serves from freed memory:
     ...                                       # fresh pages, each 4 KiB faulting in when first written
-    >>> faults.count > 0                      # minor page faults inside the block; None where the system has no count
+    >>> faults.count is not None              # the block's minor page faults; None where the system has no count
     True
     >>> keep_freed_memory()                   # for the rest of the process; False (changing nothing) without glibc
     True
