@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOCK_VARIABLE", "THREAD_CAPS", "MachineLock", "lent_machine"]
+__all__ = ["LOCK_VARIABLE", "THREAD_CAPS", "MachineLock", "lent_machine", "uncapped"]
 
 # Names the lock file to the gradings a process lent the machine to.
 LOCK_VARIABLE = "PERFLAB_MACHINE_LOCK"
@@ -114,3 +114,12 @@ def lent_machine() -> MachineLock | None:
     :meth:`MachineLock.environment`); None otherwise: a grading started by hand takes no lock."""
     path = os.environ.get(LOCK_VARIABLE)
     return MachineLock(Path(path)) if path else None
+
+
+def uncapped(environ) -> dict[str, str]:
+    """``environ`` without :data:`THREAD_CAPS`: for a process that measures alone, on every core.
+
+    >>> uncapped({"OMP_NUM_THREADS": "1", "HOME": "/home/ada"})
+    {'HOME': '/home/ada'}
+    """
+    return {name: value for name, value in environ.items() if name not in THREAD_CAPS}

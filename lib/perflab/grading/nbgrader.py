@@ -41,7 +41,7 @@ from traitlets import Bool, Integer
 
 from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.answers import AnswerError, handed_in
-from perflab.grading.machine_lock import LOCK_VARIABLE, THREAD_CAPS, lent_machine
+from perflab.grading.machine_lock import LOCK_VARIABLE, lent_machine, uncapped
 from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
 from perflab.grading.verdict import Verdict
 
@@ -356,7 +356,7 @@ class TrustedMeasurement(NbGraderPreprocessor):
         """
         env = None
         if lent_machine() and set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())):
-            env = {name: value for name, value in os.environ.items() if name not in THREAD_CAPS}
+            env = uncapped(os.environ)
         with (
             tempfile.TemporaryFile("w+") as job_file,
             tempfile.TemporaryFile("w+") as out,

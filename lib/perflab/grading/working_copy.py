@@ -39,7 +39,7 @@ from pathlib import Path
 
 import nbformat
 
-from perflab.grading.machine_lock import THREAD_CAPS, MachineLock
+from perflab.grading.machine_lock import MachineLock, uncapped
 
 __all__ = [
     "CourseBundle",
@@ -265,8 +265,7 @@ def grade_in_working_copy(
         (root / ".perflab-grading").symlink_to(cache)
         env = nbgrader_environment()
         if bundle.measured:  # Dask's nanny caps each worker at one thread: right beside others, not alone
-            for name in THREAD_CAPS:
-                env.pop(name, None)
+            env = uncapped(env)
         db_url = f"sqlite:///{root / 'gradebook.db'}"
         args = ["autograde", bundle.lab, "--student", submission.student, f"--CourseDirectory.db_url={db_url}"]
         if cell_timeout_s is not None:
