@@ -79,3 +79,22 @@ def test_pipeline_stages_hold_their_blocks_and_wait_for_the_bubble():
     assert four.parameters < one.parameters and four.bubble == pytest.approx(3 / 7)
     assert four.count("send") == 2 * 4  # each micro-batch's activations forward, their gradients back
     assert Transfer("pp", "forward", "send", 1, 100).sent(4) == 100
+
+
+def test_what_each_micro_batch_reduces_grows_with_the_micro_batches_and_what_waits_for_the_step_does_not():
+    def per_step(layout, m):
+        return estimate_layout(CONFIG, layout, **WORKLOAD, microbatches=m)
+
+    for zero, reduced_per_micro_batch in ((0, False), (1, False), (2, True), (3, True)):
+        one, four = (per_step(Layout(dp=2, zero=zero), m) for m in (1, 4))
+        scatter = "all-reduce" if zero == 0 else "reduce-scatter"
+        # DDP and ZeRO-1 keep whole gradients and sum the micro-batches; ZeRO-2 and 3 keep a shard: each backward reduces
+        assert four.count(scatter, phase="backward") == one.count(scatter, phase="backward") * (
+            4 if reduced_per_micro_batch else 1
+        )
+    # Under FSDP2 sequence parallelism's LayerNorm gradients are summed in each micro-batch's backward, never in the step
+    one, four = (per_step(Layout(dp=2, tp=2, zero=3, sequence_parallel=True), m) for m in (1, 4))
+    assert four.count("all-reduce", group="tp", phase="backward") == 4 * one.count(
+        "all-reduce", group="tp", phase="backward"
+    )
+    assert four.count("all-reduce", group="tp", phase="optimizer step") == 0

@@ -26,11 +26,12 @@ Communication is a tuple of :class:`Transfer` s, in bus bytes (:func:`perflab.sh
 per micro-batch and block, two all-reduces in forward and two in backward (Megatron-LM,
 arXiv:1909.08053, section 3), an all-gather and a reduce-scatter each under sequence parallelism,
 again in backward under checkpointing; the embedding's all-reduce; ``loss_parallel``'s three of a
-float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced once in
-backward by FSDP2, else at each of AdamW's three reads of a gradient (``lerp_`` and ``addcmul_``, single-tensor as on a
+float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced in each
+micro-batch's backward with data parallelism (as FSDP2 does), else at each of AdamW's three reads of a gradient (``lerp_`` and ``addcmul_``, single-tensor as on a
 CPU or foreach as on a GPU, ``torch/optim/adam.py``; ``fused=True`` reads it once).
 FSDP2 (``zero=3``) gathers every unit in forward, every block in backward, and reduce-scatters, per
-micro-batch; DDP all-reduces once per step, ZeRO-1 and 2 reduce-scatter and all-gather once.
+micro-batch; DDP all-reduces once per step (``no_sync`` until the last micro-batch), ZeRO-1 reduce-scatters once, ZeRO-2 once per micro-batch (it keeps
+only its shard of the gradients), and both all-gather the updated parameters once.
 Activation collectives move 4 bytes an element in float32, 2 in bfloat16 (as Megatron-LM's do).
 
 Used in: lecture 11 (tensor pipeline parallel).
@@ -291,8 +292,8 @@ def _tensor_parallel(config, layout, blocks, tokens, element, microbatches, chec
         Transfer("tp", "forward", "reduce-scatter", m * 2 * L, m * 2 * L * activation),
         Transfer("tp", "backward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
         Transfer("tp", "backward", "reduce-scatter", m * (2 * L + 1), m * (2 * L + 1) * activation),
-        # FSDP2 reduces them once in backward; unfused AdamW at each of its three reads in the optimizer step
-        Transfer("tp", "backward", "all-reduce", norms, norms * config.n_embd * _FLOAT32)
+        # With data parallelism (FSDP2's) in each micro-batch's backward; else unfused AdamW's three reads in the step
+        Transfer("tp", "backward", "all-reduce", m * norms, m * norms * config.n_embd * _FLOAT32)
         if layout.dp > 1
         else Transfer("tp", "optimizer step", "all-reduce", 3 * norms, 3 * norms * config.n_embd * _FLOAT32),
         *recomputed,
@@ -306,8 +307,12 @@ def _data_parallel(layout, blocks, per_block, ends, microbatches) -> tuple[Trans
     if layout.zero == 0:  # DDP: one all-reduce of the gradients per step (bucketed in practice)
         return (Transfer("dp", "backward", "all-reduce", 1, whole),)
     if layout.zero in (1, 2):  # reduce-scatter the gradients, all-gather the updated parameters
+        # ZeRO-1 keeps whole gradients and sums the micro-batches before it reduces once. ZeRO-2 keeps only its
+        # shard, so each micro-batch's gradients are reduced before the next backward adds to them (DeepSpeed,
+        # deepspeedai/DeepSpeed#2252: "gradient reduction is required after every backward").
+        reductions = m if layout.zero == 2 else 1
         return (
-            Transfer("dp", "backward", "reduce-scatter", 1, whole),
+            Transfer("dp", "backward", "reduce-scatter", reductions, reductions * whole),
             Transfer("dp", "optimizer step", "all-gather", 1, whole),
         )
     # FSDP2, one unit per block and a root: forward gathers every unit, backward every block again (the root stays
