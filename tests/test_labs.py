@@ -172,6 +172,13 @@ def _grading_seconds_expected(unit) -> int:
     return _GRADING_SECONDS.get(unit, 60 if isinstance(unit, str) else 20)
 
 
+def _grading_bound(units) -> int:
+    """Seconds an `nbgrader autograde` of ``units`` may take before the test stops it: room for a machine three
+    times slower than the one the expected times were taken on, sharing its cores with the other tests. Each grading
+    has its own limits (SandboxedExecute, TrustedMeasurement); this one only keeps a stuck command from holding CI."""
+    return 600 + 4 * sum(_grading_seconds_expected(unit) for unit in units)
+
+
 def _two_halves(work: list) -> tuple[set, set]:
     """``work``, labs graded whole and (lab, student) submissions, in two sets of about equal grading time: the
     longest first, each to the set that takes less so far."""
@@ -201,12 +208,12 @@ def _keep_only(course: NbgraderCourse, graded_here) -> None:
             shutil.rmtree(handed_in)
 
 
-def _autograde_all(course: NbgraderCourse, env: dict[str, str]) -> str:
+def _autograde_all(course: NbgraderCourse, env: dict[str, str], timeout: int) -> str:
     """Every submission ``course`` holds, in one `nbgrader autograde` with ``env`` added to its environment: each
     command costs an nbgrader start (~4 s)."""
     if not any((course.root / "submitted").glob("*/*")):
         return ""  # nbgrader fails when it finds nothing to grade
-    return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=1800, env=env)
+    return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=timeout, env=env)
 
 
 def _merge_gradings(source: NbgraderCourse, course: NbgraderCourse, lab: str) -> None:
@@ -252,14 +259,16 @@ def graded_course(released_course, tmp_path_factory, request, machine):
     handed_in = [(path.parent.name, path.name) for path in (course.root / "submitted").glob("*/*")]
     work = [lab for lab in labs if lab not in MEASURED_CELLS]
     work += sorted((lab, student) for student, lab in handed_in if lab in MEASURED_CELLS)
-    for half, graded_there in zip(halves, _two_halves(work)):
+    split = _two_halves(work)
+    for half, graded_there in zip(halves, split):
         _keep_only(half, lambda lab, student, there=graded_there: lab in there or (lab, student) in there)
     _keep_only(course, lambda lab, student: False)
     before = _source_digests()
     gradebook_mode = (course.root / "gradebook.db").stat().st_mode
     seconds = {}
     with machine.lent(), ThreadPoolExecutor(max_workers=2) as pool:
-        for log in pool.map(lambda half: _autograde_all(half, machine.environment()), halves):
+        bounds = [_grading_bound(graded_there) for graded_there in split]
+        for log in pool.map(lambda half, bound: _autograde_all(half, machine.environment(), bound), halves, bounds):
             seconds.update(_grading_seconds(log))
     for half in halves:
         for lab in sorted({path.name for path in (half.root / "submitted").glob("*/*")}):
@@ -268,7 +277,8 @@ def graded_course(released_course, tmp_path_factory, request, machine):
         for lab, student in _not_decided(course):
             graded_in = next(half for half in halves if (half.root / "submitted" / student / lab).is_dir())
             with machine.alone():
-                log = graded_in.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=1800)
+                bound = _grading_bound([(lab, student) if lab in MEASURED_CELLS else lab])
+                log = graded_in.run("autograde", lab, "--student", student, "--force", *_TIMESTAMPED_LOG, timeout=bound)
             seconds.update(_grading_seconds(log))
             _merge_gradings(graded_in, course, lab)
     # Feedback for the reference solutions and the leak only: the tests read no other, and each page costs an export.
