@@ -159,6 +159,22 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # Inherited by every kernel nbval starts; tests that start their own kernels (labs, browser) inherit it too.
     os.environ["PYTHONWARNINGS"] = _deprecations_are_errors()
+    _stop_notebook_kernels_as_jupyterlab_does()
+
+
+def _stop_notebook_kernels_as_jupyterlab_does() -> None:
+    """nbval kills a notebook's kernel once its cells have run (``shutdown_kernel(now=True)``), so the kernel's
+    ``atexit`` handlers never run, and the scratch folders the lectures remove with them (lecture 09's checkpoints
+    alone take 300 MB) stayed in the temporary folder, one set per run. JupyterLab asks a kernel to shut down, and so
+    does this: it is killed only if it has not exited within the kernel manager's ``shutdown_wait_time``."""
+    from nbval.kernel import RunningKernel
+
+    def stop(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+        del self.km
+
+    RunningKernel.stop = stop
 
 
 # The round trips the compatibility tier runs again on the supported range's other ends (make test-compat): one

@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import signal
 import stat
 import subprocess
@@ -81,6 +82,11 @@ class SandboxedKernelManager(AsyncKernelManager):
                 writable=[self._socket_dir],
             )
         await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        await super()._async_cleanup_resources(restart=restart)
+        if not restart:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 class SandboxedExecute(Execute):

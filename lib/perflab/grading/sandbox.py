@@ -29,6 +29,7 @@ Used by perflab.grading.child, perflab.grading.nbgrader and perflab.grading.benc
 
 from __future__ import annotations
 
+import atexit
 import functools
 import getpass
 import glob
@@ -175,6 +176,7 @@ def _generated_etc() -> str:
     """The files of /etc that name this user and machine and nothing else: passwd and group (getpass and Inductor ask
     for a user), and hosts (torchrun's rendezvous resolves localhost and this machine's name, on the loopback)."""
     folder = tempfile.mkdtemp(prefix="perflab-sandbox-etc-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     uid, gid = os.getuid(), os.getgid()
     name = _user_name()
     Path(folder, "passwd").write_text(f"{name}:x:{uid}:{gid}::/tmp/home:/bin/sh\n")
@@ -257,6 +259,7 @@ def pristine_perflab() -> str:
     if imported_from.name.startswith(_PRISTINE_PREFIX):  # the trusted grader itself runs from one: no second copy
         return str(imported_from)
     folder = tempfile.mkdtemp(prefix=_PRISTINE_PREFIX)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the graders it serves end before this process
     shutil.copytree(
         Path(perflab.__file__).parent, Path(folder) / "perflab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
     )
