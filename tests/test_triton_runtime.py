@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
 from perflab import triton_runtime  # noqa: E402
 from perflab.triton_runtime import (  # noqa: E402 (after the skip: nothing here works without triton)
     compile_for_gpu,
@@ -104,7 +105,8 @@ def test_a_report_reads_the_compilers_own_figures():
     assert report.registers > 0 and report.spilled_bytes == 0
     assert report.count("ld.global") > 0 and report.count("st.global") > 0 and report.count("mma") == 0
     assert report.excerpt("st.global", lines=1).count("\n") == 0 and "st.global" in report.excerpt("st.global")
-    assert report.fits() and not report.fits(shared_limit=-1)
+    assert report.out_of_resources() is None and report.resident_by_shared_memory(per_sm=10 * 1024) == 10
+    assert "out of resource: shared memory, Required: 0, Hardware limit: -1" in str(report.out_of_resources(-1))
     assert "scale_kernel for sm_90 (BLOCK=1024" in repr(report) and "<table>" in report._repr_html_()
 
 
@@ -114,12 +116,43 @@ def test_the_block_size_changes_what_the_compiler_makes():
     assert large.count("ld.global") > small.count("ld.global"), "each thread loads more elements of a larger block"
 
 
-def test_a_length_known_to_be_a_multiple_of_16_lets_the_compiler_vectorize():
-    unknown = compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024})
-    multiple = compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024}, divisible_by_16=["n"])
-    assert unknown.count("ld.global.v4") == 0 and multiple.count("ld.global.v4") > 0
+def test_a_length_the_jit_knows_is_a_multiple_of_16_lets_the_compiler_vectorize():
+    any_length = compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024})
+    odd = compile_for_gpu(scale_kernel, {**SCALE_TYPES, "n": 10_001, "scale": 2.0}, {"BLOCK": 1024})
+    multiple = compile_for_gpu(scale_kernel, {**SCALE_TYPES, "n": 10_000, "scale": 2.0}, {"BLOCK": 1024})
+    assert any_length.specialized == odd.specialized == {} and multiple.specialized == {"n": "a multiple of 16"}
+    assert any_length.count("ld.global.v4") == odd.count("ld.global.v4") == 0 < multiple.count("ld.global.v4")
     with pytest.raises(ValueError, match="no argument m"):
-        compile_for_gpu(scale_kernel, SCALE_TYPES, {"BLOCK": 1024}, divisible_by_16=["m"])
+        compile_for_gpu(scale_kernel, {**SCALE_TYPES, "m": 16}, {"BLOCK": 1024})
+
+
+def _tile_matmul(a_ptr, b_ptr, c_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK: tl.constexpr):  # noqa: N803
+    """One BLOCK x BLOCK tile of ``C = A @ B``, walking ``K``: the strides as a launch passes them."""
+    rows, inner = tl.arange(0, BLOCK), tl.arange(0, BLOCK)
+    accumulator = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        a = tl.load(a_ptr + rows[:, None] * stride_am + (k + inner)[None, :] * stride_ak)
+        b = tl.load(b_ptr + (k + inner)[:, None] * stride_bk + rows[None, :] * stride_bn)
+        accumulator += tl.dot(a, b)
+    tl.store(c_ptr + rows[:, None] * BLOCK + rows[None, :], accumulator)
+
+
+def test_a_stride_of_1_becomes_a_constant_and_the_tiles_are_pipelined_through_shared_memory():
+    pointers = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32"}
+    contiguous = {**pointers, "K": 256, "stride_am": 256, "stride_ak": 1, "stride_bk": 256, "stride_bn": 1}
+    as_launched = compile_for_gpu(_tile_matmul, contiguous, {"BLOCK": 32}, num_stages=3)
+    unspecialized = compile_for_gpu(
+        _tile_matmul,
+        {**pointers, **dict.fromkeys(contiguous.keys() - pointers.keys(), "i32")},
+        {"BLOCK": 32},
+        num_stages=3,
+    )
+    assert as_launched.specialized["stride_ak"] == as_launched.specialized["stride_bn"] == "= 1, a constant"
+    assert as_launched.specialized["stride_am"] == "a multiple of 16" and unspecialized.specialized == {}
+    # A 32 x 32 float16 tile of each operand is 4 KiB. Known to be contiguous, they are loaded ahead (cp.async) into
+    # a ring of num_stages - 1 of them (tiles this small use mma.sync, not wgmma); not known, into one, in step.
+    assert as_launched.count("wgmma") == 0 and as_launched.shared_bytes == (3 - 1) * 4096 > unspecialized.shared_bytes
+    assert as_launched.count("cp.async") > 0 == unspecialized.count("cp.async")
 
 
 def test_a_missing_argument_type_is_refused_before_compiling():

@@ -3,13 +3,15 @@
     >>> from perflab.triton_runtime import compile_for_gpu, scale_kernel, triton_mode
     >>> triton_mode()            # compiled (a GPU), interpreted (TRITON_INTERPRET=1) or unavailable, and why
     TritonMode(...: ...)
-    >>> report = compile_for_gpu(scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "scale": "fp32"},
-    ...                          {"BLOCK": 1024})                # no GPU needed: the compiler targets sm_90 here
+    >>> report = compile_for_gpu(scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": 10_000, "scale": 2.0},
+    ...                          {"BLOCK": 1024})   # no GPU needed: compiled for sm_90, as the JIT would for this launch
     >>> report                   # shared memory, registers, spills and the PTX's instructions, as the compiler says
     scale_kernel for sm_90 (BLOCK=1024; 4 warps, 3 stages)
     ...
-    >>> report.shared_bytes, report.spilled_bytes, report.count("ld.global") > 0
-    (0, 0, True)
+    >>> report.specialized       # 10,000 is a multiple of 16: the JIT tells the compiler so
+    {'n': 'a multiple of 16'}
+    >>> report.shared_bytes, report.spilled_bytes, report.count("ld.global") > 0, report.out_of_resources()
+    (0, 0, True, None)
 
 Under ``TRITON_INTERPRET=1`` (read when a kernel is decorated, so set it first) ``@triton.jit``
 returns an ``InterpretedFunction``: each program of the grid runs one after the other on the CPU,
@@ -40,7 +42,7 @@ import tempfile
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +57,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 __all__ = [
     "GpuCompileReport",
     "H100_SHARED_MEMORY_PER_BLOCK",
+    "H100_SHARED_MEMORY_PER_SM",
     "TritonMode",
     "compile_for_gpu",
     "course_triton_mode",
@@ -70,6 +73,8 @@ __all__ = [
 # Specifications per Compute Capability". On a GPU, torch.cuda.get_device_properties(...)
 # .shared_memory_per_block_optin reads the device's own figure.
 H100_SHARED_MEMORY_PER_BLOCK = 227 * 1024
+H100_SHARED_MEMORY_PER_SM = 228 * 1024
+_SHARED_MEMORY_RESERVED_PER_BLOCK = 1024
 
 # The PTX instruction families a reader of a kernel looks for first.
 _FAMILIES = (
@@ -221,6 +226,7 @@ class GpuCompileReport:
     constexprs: Mapping[str, object]
     num_warps: int
     num_stages: int
+    specialized: Mapping[str, str]  # each integer argument the JIT specializes, and how
     shared_bytes: int  # shared memory per program (thread block), as the compiler's metadata says
     registers: int  # per thread, from ptxas -v
     spilled_bytes: int  # per thread: the spill stores ptxas -v reports
@@ -237,8 +243,21 @@ class GpuCompileReport:
         found = [line.strip() for line in self.ptx.splitlines() if _opcode(line) and _in_family(_opcode(line), family)]
         return "\n".join(found[:lines])
 
-    def fits(self, shared_limit: int = H100_SHARED_MEMORY_PER_BLOCK) -> bool:
-        return self.shared_bytes <= shared_limit
+    def out_of_resources(self, shared_limit: int = H100_SHARED_MEMORY_PER_BLOCK):
+        """Triton's own ``OutOfResources``, which its launch raises when a program needs more shared memory than a
+        block may have (``CompiledKernel._init_handles`` in ``triton/compiler/compiler.py``); None when it fits."""
+        from triton.runtime.errors import OutOfResources
+
+        return (
+            OutOfResources(self.shared_bytes, shared_limit, "shared memory")
+            if self.shared_bytes > shared_limit
+            else None
+        )
+
+    def resident_by_shared_memory(self, per_sm: int = H100_SHARED_MEMORY_PER_SM) -> int:
+        """How many of these programs one SM holds at once by shared memory alone (registers and warps may cap it
+        lower): each takes its shared memory and the 1 KiB CUDA reserves per block."""
+        return per_sm // (self.shared_bytes + _SHARED_MEMORY_RESERVED_PER_BLOCK)
 
     def _table(self) -> Table:
         constants = ", ".join(f"{name}={value}" for name, value in self.constexprs.items())
@@ -247,6 +266,7 @@ class GpuCompileReport:
         rows = [
             ("shared memory per program", f"{self.shared_bytes:,} bytes ({self.shared_bytes / limit:.0%} of an H100 block's {limit // 1024} KiB)"),
             ("registers per thread", f"{self.registers} ({self.spilled_bytes} bytes spilled)"),
+            ("specialized as the JIT does", ", ".join(f"{name}: {how}" for name, how in self.specialized.items()) or "nothing"),
             ("PTX instructions", f"{sum(self.opcodes.values())}: {counts}"),
             ("compiled in", f"{self.compile_s:.2f} s"),
         ]  # fmt: skip
@@ -281,7 +301,8 @@ def _in_family(opcode: str, family: str) -> bool:
 _COMPILE_CHILD = """
 import importlib.util, json, re, subprocess, sys
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl  # how the JIT specializes a launch's arguments
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
@@ -289,9 +310,26 @@ path, name, request = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 spec = importlib.util.spec_from_file_location("kernel_source", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-attrs = {(index,): [["tt.divisibility", 16]] for index in request["divisible"]}
-source = ASTSource(fn=getattr(module, name), signature=request["signature"], constexprs=request["constexprs"],
-                   attrs=attrs)
+signature, constexprs, attrs, specialized = {}, dict(request["constexprs"]), {}, {}
+for index, argument in enumerate(request["names"]):
+    value = request["arguments"].get(argument)
+    if argument in constexprs:
+        signature[argument] = "constexpr"
+    elif isinstance(value, str):  # a type: a pointer (16-byte aligned, as PyTorch allocates), or any value
+        signature[argument] = value
+        if value.startswith("*"):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    else:  # a value, specialized by the JIT's own rule
+        kind, attribute = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            signature[argument], constexprs[argument] = "constexpr", attribute
+            specialized[argument] = f"= {attribute}, a constant"
+        else:
+            signature[argument] = kind
+            if attribute == "D":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+                specialized[argument] = "a multiple of 16"
+source = ASTSource(fn=getattr(module, name), signature=signature, constexprs=constexprs, attrs=attrs)
 capability = request["capability"]
 compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": request["num_warps"], "num_stages": request["num_stages"]})
@@ -302,7 +340,8 @@ arch = sm_arch_from_capability(capability)
 log = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch}", path + ".ptx", "-o", path + ".cubin"],
                      capture_output=True, text=True, check=True).stderr
 json.dump({"shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-           "num_stages": compiled.metadata.num_stages, "ptx": ptx, "ptxas": log}, sys.stdout)
+           "num_stages": compiled.metadata.num_stages, "specialized": specialized, "ptx": ptx, "ptxas": log},
+          sys.stdout)
 """
 
 
@@ -323,35 +362,37 @@ def _resources(ptxas_log: str) -> tuple[int, int]:
 
 def compile_for_gpu(
     kernel,
-    types: Mapping[str, str],
+    arguments: Mapping[str, str | int | float],
     constexprs: Mapping[str, object],
     *,
     capability: int = 90,
     num_warps: int = 4,
     num_stages: int = 3,
-    divisible_by_16: Iterable[str] = (),
 ) -> GpuCompileReport:
-    """Compile ``kernel`` (decorated, interpreted or a plain function) for an NVIDIA GPU of ``capability``.
+    """Compile ``kernel`` (decorated, interpreted or a plain function) for an NVIDIA GPU of ``capability``, as
+    Triton's JIT compiles it for one launch.
 
-    ``types`` gives each runtime argument Triton's type (``"*fp16"`` a pointer to float16, ``"i32"``,
-    ``"fp32"``); ``constexprs`` the compile-time constants. Every pointer is taken as 16-byte aligned, and
-    each integer named in ``divisible_by_16`` as a multiple of 16, as the JIT specializes a launch on such
-    arguments (``triton/backends/compiler.py``, ``get_tensor_specialization``): what lets it vectorize loads.
-    No GPU is needed, and the interpreter may be on: the compiler runs in a child process. The kernel must use only ``triton`` and ``tl`` (its source
-    is compiled on its own).
+    ``arguments`` gives each runtime argument as a launch passes it: a tensor as its pointer type (``"*fp16"``,
+    taken as 16-byte aligned, as every tensor PyTorch allocates is), an integer or a float as its value. The
+    JIT compiles a kernel for the values of each launch: an integer equal to 1 becomes a constant, one that is a
+    multiple of 16 is marked so (what lets the compiler vectorize loads and pipeline them), floats are not
+    specialized; this asks Triton's own rule (``native_specialize_impl``, which ``triton/runtime/jit.py`` calls for each argument). A type string
+    instead of an integer's value (``"i32"``) compiles for any value, as ``do_not_specialize`` does.
+    ``constexprs`` gives the compile-time constants. No GPU is needed, and the interpreter may be on: the
+    compiler runs in a child process. The kernel must use only ``triton`` and ``tl`` (its source is compiled on its
+    own).
     """
     function = getattr(kernel, "fn", kernel)  # a JITFunction and an InterpretedFunction both keep the Python function
     names = list(inspect.signature(function).parameters)
-    missing = [name for name in names if name not in types and name not in constexprs]
+    missing = [name for name in names if name not in arguments and name not in constexprs]
     if missing:
-        raise ValueError(f"give a type or a constexpr value for {', '.join(missing)}")
-    unknown = set(divisible_by_16) - set(names)
+        raise ValueError(f"give a type, a value or a constexpr for {', '.join(missing)}")
+    unknown = set(arguments) - set(names)
     if unknown:
         raise ValueError(f"{function.__name__} has no argument {', '.join(sorted(unknown))}")
-    divisible = [index for index, name in enumerate(names) if name in divisible_by_16 or types.get(name, "")[:1] == "*"]
     request = {
-        "divisible": divisible,
-        "signature": {name: "constexpr" if name in constexprs else types[name] for name in names},
+        "names": names,
+        "arguments": {name: arguments[name] for name in names if name not in constexprs},
         "constexprs": dict(constexprs),
         "capability": capability,
         "num_warps": num_warps,
@@ -378,6 +419,7 @@ def compile_for_gpu(
         constexprs=dict(constexprs),
         num_warps=result["num_warps"],
         num_stages=result["num_stages"],
+        specialized=result["specialized"],
         shared_bytes=result["shared"],
         registers=registers,
         spilled_bytes=spilled,
