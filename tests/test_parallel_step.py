@@ -98,3 +98,46 @@ def test_what_each_micro_batch_reduces_grows_with_the_micro_batches_and_what_wai
         "all-reduce", group="tp", phase="backward"
     )
     assert four.count("all-reduce", group="tp", phase="optimizer step") == 0
+
+
+def test_hsdp_shards_within_each_replica_and_all_reduces_the_shards_over_the_replicas_once_per_step():
+    hsdp, within = estimate(dp=4, zero=3, replicate=2), estimate(dp=2, zero=3)
+    assert hsdp.layout.label == "DP 4 (HSDP 2 x 2)" and hsdp.layout.shard == 2
+    for part in ("parameters", "gradients", "optimizer_state", "gathered"):
+        assert getattr(hsdp, part) == getattr(within, part), part  # what FSDP2 over one replica's 2 ranks keeps
+    assert [t for t in hsdp.transfers if t.group == "dp"] == list(within.transfers)
+    across = [t for t in hsdp.transfers if t.group == "replicate"]
+    assert {(t.kind, t.once_per_step) for t in across} == {("all-reduce", True)}
+    assert hsdp.count("all-reduce", group="replicate") == CONFIG.n_layer + 1  # each unit's gradient shard, once
+    assert hsdp.payload("all-reduce", group="replicate") == within.payload("reduce-scatter") // 2
+    assert [t.count for t in across if t.exposed] == [1]  # the root's, after the last compute of the backward
+    assert hsdp.sent("replicate") == sum(t.payload for t in across) * bus_factor("all-reduce", 2)
+    for bad in (dict(dp=4, zero=2, replicate=2), dict(dp=4, zero=3, replicate=4), dict(dp=4, zero=3, replicate=3)):
+        with pytest.raises(ValueError, match="HSDP"):
+            Layout(**bad)
+
+
+def test_what_is_issued_once_per_step_says_so():
+    def once(**layout):
+        return {(t.kind, t.phase) for t in estimate_layout(CONFIG, Layout(**layout), **WORKLOAD, microbatches=4).transfers
+                if t.once_per_step}  # fmt: skip
+
+    assert once(dp=2) == {("all-reduce", "backward")}  # DDP, under no_sync until the last micro-batch
+    assert once(dp=2, zero=1) == {("reduce-scatter", "backward"), ("all-gather", "optimizer step")}
+    assert once(dp=2, zero=2) == {("all-gather", "optimizer step")}  # it reduce-scatters every micro-batch
+    assert once(dp=2, zero=3) == set() and once(tp=2, pp=2) == set()
+
+
+def test_what_runs_where_no_compute_is_left_beside_it_says_so_the_root_s_gather_first_the_ends_reduction_last():
+    def exposed(**layout):
+        return {(t.kind, t.phase, t.once_per_step) for t in estimate_layout(CONFIG, Layout(**layout), **WORKLOAD,
+                microbatches=4).transfers if t.exposed}  # fmt: skip
+
+    assert exposed(dp=2) == {("all-reduce", "backward", True)}  # DDP's last bucket, the ends'
+    assert exposed(dp=2, zero=1) == {("reduce-scatter", "backward", True)}
+    assert exposed(dp=2, zero=2) == {("reduce-scatter", "backward", False)}  # in every micro-batch
+    assert exposed(dp=2, zero=3) == {("all-gather", "forward", False), ("reduce-scatter", "backward", False)}
+    assert exposed(tp=2, pp=2) == set()
+    # Split out, not added: FSDP2 still gathers every unit in forward and reduce-scatters every one, per micro-batch
+    fsdp = estimate_layout(CONFIG, Layout(dp=2, zero=3), **WORKLOAD, microbatches=4)
+    assert fsdp.count("all-gather", phase="forward") == fsdp.count("reduce-scatter") == 4 * (CONFIG.n_layer + 1)

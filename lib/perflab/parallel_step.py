@@ -22,17 +22,9 @@ counts, which FSDP2 keeps whole. A pipeline stage (GPipe, arXiv:1811.06965; 1F1B
 holds ``n_layer / pp`` blocks and, as an upper bound, both ends; under 1F1B the first keeps ``pp``
 micro-batches' activations; the bubble is (pp - 1) / (m + pp - 1).
 
-Communication is a tuple of :class:`Transfer` s, in bus bytes (:func:`perflab.sharding.bus_factor`):
-per micro-batch and block, two all-reduces in forward and two in backward (Megatron-LM,
-arXiv:1909.08053, section 3), an all-gather and a reduce-scatter each under sequence parallelism,
-again in backward under checkpointing; the embedding's all-reduce; ``loss_parallel``'s three of a
-float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced in each
-micro-batch's backward with data parallelism (as FSDP2 does), else at each of AdamW's three reads of a gradient (``lerp_`` and ``addcmul_``, single-tensor as on a
-CPU or foreach as on a GPU, ``torch/optim/adam.py``; ``fused=True`` reads it once).
-FSDP2 (``zero=3``) gathers every unit in forward, every block in backward, and reduce-scatters, per
-micro-batch; DDP all-reduces once per step (``no_sync`` until the last micro-batch), ZeRO-1 reduce-scatters once, ZeRO-2 once per micro-batch (it keeps
-only its shard of the gradients), and both all-gather the updated parameters once.
-Activation collectives move 4 bytes an element in float32, 2 in bfloat16 (as Megatron-LM's do).
+Communication is a tuple of :class:`perflab.parallel_transfers.Transfer` s, in bus bytes
+(:func:`perflab.sharding.bus_factor`): every collective of the step, by group, phase and kind, as
+:mod:`perflab.parallel_transfers` lists them.
 
 Used in: lecture 11 (tensor pipeline parallel).
 """
@@ -43,26 +35,33 @@ from dataclasses import dataclass, field
 
 from perflab.memory_budget import check_workload
 from perflab.models.gpt import GPTConfig
+from perflab.parallel_transfers import (
+    GROUPS,
+    PHASES,
+    Transfer,
+    data_parallel_transfers,
+    pipeline_transfers,
+    tensor_parallel_transfers,
+)
 from perflab.render import Table
-from perflab.sharding import bus_factor
 
 __all__ = ["GROUPS", "PHASES", "Layout", "LayoutEstimate", "Transfer", "estimate_layout"]
 
-PHASES = ("forward", "backward", "optimizer step")
-GROUPS = ("tp", "dp", "pp")
 _FLOAT32, _BFLOAT16, _INT64 = 4, 2, 8
 _GATHERED_BLOCKS = 2  # FSDP2: the block computing and the next one, prefetched (as perflab.sharding)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the GPUs are split: ``dp`` x ``tp`` x ``pp`` of them; ZeRO stage ``zero`` over the ``dp`` ranks."""
+    """How the GPUs are split: ``dp`` x ``tp`` x ``pp`` of them; ZeRO stage ``zero`` over the ``dp`` ranks or, with
+    ``replicate`` > 1 (HSDP, FSDP2's 2-D mesh), over each of ``replicate`` groups of ``dp // replicate`` of them."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    replicate: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -72,6 +71,16 @@ class Layout:
             raise ValueError(f"zero must be 0, 1, 2 or 3, and needs dp > 1 to shard over; got {self!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1")
+        if self.replicate != 1 and (self.zero != 3 or self.dp % self.replicate or not 1 < self.replicate < self.dp):
+            raise ValueError(f"HSDP replicates ZeRO-3 shards: replicate must divide dp, between 1 and dp; got {self!r}")
+
+    @property
+    def shard(self) -> int:
+        """The data-parallel ranks a ZeRO stage divides the state over: all of them, or one replica's under HSDP."""
+        return self.dp // self.replicate
+
+    def group_size(self, group: str) -> int:
+        return {"tp": self.tp, "dp": self.shard, "replicate": self.replicate, "pp": self.pp}[group]
 
     @property
     def gpus(self) -> int:
@@ -81,27 +90,13 @@ class Layout:
     def label(self) -> str:
         parts = []
         if self.dp > 1:
-            parts.append(f"DP {self.dp}" + (f" (ZeRO-{self.zero})" if self.zero else ""))
+            hsdp = f"HSDP {self.replicate} x {self.shard}" if self.replicate > 1 else f"ZeRO-{self.zero}"
+            parts.append(f"DP {self.dp}" + (f" ({hsdp})" if self.zero else ""))
         if self.tp > 1:
             parts.append(f"TP {self.tp}" + (" + SP" if self.sequence_parallel else ""))
         if self.pp > 1:
             parts.append(f"PP {self.pp}")
         return " x ".join(parts) or "1 GPU"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """``count`` calls of one collective (or ``send``, point to point) in one group and phase of a step, per GPU."""
-
-    group: str  # "tp", "dp" or "pp"
-    phase: str  # "forward", "backward" or "optimizer step"
-    kind: str  # "all-reduce", "all-gather", "reduce-scatter" or "send"
-    count: int
-    payload: int  # bytes of the whole tensors the calls are about (an all-gather's output, a reduce-scatter's input)
-
-    def sent(self, group_size: int) -> int:
-        """Bus bytes: payload x :func:`perflab.sharding.bus_factor`; a send moves its payload once."""
-        return self.payload if self.kind == "send" else round(self.payload * bus_factor(self.kind, group_size))
 
 
 @dataclass(frozen=True)
@@ -134,8 +129,7 @@ class LayoutEstimate:
 
     def sent(self, group: str | None = None) -> int:
         """Bus bytes per step of this GPU, in one group or all."""
-        sizes = {"tp": self.layout.tp, "dp": self.layout.dp, "pp": self.layout.pp}
-        return sum(t.sent(sizes[t.group]) for t in self.transfers if group in (None, t.group))
+        return sum(t.sent(self.layout.group_size(t.group)) for t in self.transfers if group in (None, t.group))
 
     def fits(self, memory_per_gpu: float) -> bool:
         return self.peak <= memory_per_gpu
@@ -154,7 +148,8 @@ class LayoutEstimate:
     def _repr_html_(self) -> str:
         rows = [(name.replace("_", " "), f"{getattr(self, name) / 1e6:.2f} MB") for name in (*_PARTS, "gathered")]
         rows += [("peak", f"{self.peak / 1e6:.2f} MB")]
-        rows += [(f"bus bytes per step, {g}", f"{self.sent(g) / 1e6:.2f} MB") for g in GROUPS]
+        groups = [g for g in GROUPS if self.layout.group_size(g) > 1]
+        rows += [(f"bus bytes per step, {g}", f"{self.sent(g) / 1e6:.2f} MB") for g in groups]
         caption = f"{self.layout.label} on {self.layout.gpus} GPUs, per GPU: estimate"
         return Table((), rows, caption=caption, numeric=(1,))._repr_html_()
 
@@ -184,23 +179,22 @@ def estimate_layout(
     ends = ends_split // tp + ends_whole
     elements = blocks * per_block + ends
     tensors = 12 * blocks + 4  # AdamW keeps a float32 step count per tensor
-    dp, zero = layout.dp, layout.zero
-    parameters = elements * _FLOAT32 // (dp if zero == 3 else 1)
-    gradients = elements * _FLOAT32 // (dp if zero >= 2 else 1)
-    optimizer_state = 2 * elements * _FLOAT32 // (dp if zero >= 1 else 1) + tensors * _FLOAT32
+    shard, zero = layout.shard, layout.zero
+    parameters = elements * _FLOAT32 // (shard if zero == 3 else 1)
+    gradients = elements * _FLOAT32 // (shard if zero >= 2 else 1)
+    optimizer_state = 2 * elements * _FLOAT32 // (shard if zero >= 1 else 1) + tensors * _FLOAT32
     gathered = (ends + min(_GATHERED_BLOCKS, blocks) * per_block) * _FLOAT32 if zero == 3 else 0
     in_flight = min(layout.pp, microbatches)  # 1F1B: the first stage holds pp micro-batches' activations
     activations = in_flight * blocks * _block_activations(config, layout, batch_size, seq_len, precision, checkpointing)
     activations += _ends_activations(config, layout, batch_size, seq_len, precision)
     element = _FLOAT32 if precision == "float32" else _BFLOAT16  # what activation collectives move
-    transfers = _tensor_parallel(config, layout, blocks, batch_size * seq_len, element, microbatches, checkpointing)
-    transfers += _data_parallel(layout, blocks, per_block, ends, microbatches)
-    if layout.pp > 1:  # each micro-batch's activations on, their gradients back: the stage's sequence share under SP
-        hop = batch_size * seq_len * C * element // (tp if sp else 1)
-        transfers += (
-            Transfer("pp", "forward", "send", microbatches, microbatches * hop),
-            Transfer("pp", "backward", "send", microbatches, microbatches * hop),
-        )
+    tokens = batch_size * seq_len
+    transfers = (
+        *tensor_parallel_transfers(config, layout, blocks, tokens, element, microbatches, checkpointing),
+        *data_parallel_transfers(layout, blocks, per_block, ends, microbatches),
+        # each micro-batch's activation on, its gradient back: the stage's sequence share under SP
+        *pipeline_transfers(layout, tokens * C * element // (tp if sp else 1), microbatches),
+    )
     return LayoutEstimate(
         layout,
         microbatches,
@@ -259,66 +253,3 @@ def _ends_activations(config, layout, batch, length, precision) -> int:
         + 2 * _FLOAT32  # the loss and its normalizer
     )
     return embeddings + head
-
-
-def _tensor_parallel(config, layout, blocks, tokens, element, microbatches, checkpointing) -> tuple[Transfer, ...]:
-    """The collectives of lecture 11's plan, per step: microbatches x (the blocks' and both ends')."""
-    if layout.tp == 1:
-        return ()
-    m, activation, L = microbatches, tokens * config.n_embd * element, blocks
-    # Checkpointing recomputes each block's forward in backward, collectives included.
-    again = 2 * L if checkpointing else 0
-    if again and not layout.sequence_parallel:
-        recomputed = (Transfer("tp", "backward", "all-reduce", m * again, m * again * activation),)
-    elif again:
-        recomputed = tuple(
-            Transfer("tp", "backward", kind, m * again, m * again * activation)
-            for kind in ("all-gather", "reduce-scatter")
-        )
-    else:
-        recomputed = ()
-    per_token = 3 * tokens * _FLOAT32  # loss_parallel: max, sum of exponentials, the target's logit
-    norms = 2 * (2 * L + 1)  # LayerNorm weights and biases: partial gradients under SP
-    if not layout.sequence_parallel:  # all-reduces: the embedding's and g's in forward, f's in backward
-        return (
-            Transfer("tp", "forward", "all-reduce", m * (2 * L + 4), m * ((2 * L + 1) * activation + per_token)),
-            Transfer("tp", "backward", "all-reduce", m * (2 * L + 1), m * (2 * L + 1) * activation),
-            *recomputed,
-        )
-    # g's all-reduce becomes a reduce-scatter, f's identity an all-gather, and the other way round in backward
-    return (
-        Transfer("tp", "forward", "all-reduce", m * 4, m * (activation + per_token)),
-        Transfer("tp", "forward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
-        Transfer("tp", "forward", "reduce-scatter", m * 2 * L, m * 2 * L * activation),
-        Transfer("tp", "backward", "all-gather", m * (2 * L + 1), m * (2 * L + 1) * activation),
-        Transfer("tp", "backward", "reduce-scatter", m * (2 * L + 1), m * (2 * L + 1) * activation),
-        # With data parallelism (FSDP2's) in each micro-batch's backward; else unfused AdamW's three reads in the step
-        Transfer("tp", "backward", "all-reduce", m * norms, m * norms * config.n_embd * _FLOAT32)
-        if layout.dp > 1
-        else Transfer("tp", "optimizer step", "all-reduce", 3 * norms, 3 * norms * config.n_embd * _FLOAT32),
-        *recomputed,
-    )
-
-
-def _data_parallel(layout, blocks, per_block, ends, microbatches) -> tuple[Transfer, ...]:
-    if layout.dp == 1:
-        return ()
-    m, whole = microbatches, (blocks * per_block + ends) * _FLOAT32  # this GPU's gradients, before ZeRO divides them
-    if layout.zero == 0:  # DDP: one all-reduce of the gradients per step (bucketed in practice)
-        return (Transfer("dp", "backward", "all-reduce", 1, whole),)
-    if layout.zero in (1, 2):  # reduce-scatter the gradients, all-gather the updated parameters
-        # ZeRO-1 keeps whole gradients and sums the micro-batches before it reduces once. ZeRO-2 keeps only its
-        # shard, so each micro-batch's gradients are reduced before the next backward adds to them (DeepSpeed,
-        # deepspeedai/DeepSpeed#2252: "gradient reduction is required after every backward").
-        reductions = m if layout.zero == 2 else 1
-        return (
-            Transfer("dp", "backward", "reduce-scatter", reductions, reductions * whole),
-            Transfer("dp", "optimizer step", "all-gather", 1, whole),
-        )
-    # FSDP2, one unit per block and a root: forward gathers every unit, backward every block again (the root stays
-    # gathered), and each unit's gradients are reduce-scattered; every micro-batch, with FSDP2's defaults.
-    return (
-        Transfer("dp", "forward", "all-gather", m * (blocks + 1), m * whole),
-        Transfer("dp", "backward", "all-gather", m * blocks, m * blocks * per_block * _FLOAT32),
-        Transfer("dp", "backward", "reduce-scatter", m * (blocks + 1), m * whole),
-    )
