@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import nbformat
 from nbformat.v4 import new_code_cell
+from perflab.grading import CHECKED_CELLS
 from perflab.grading.course import REPO
 from perflab.grading.nbgrader import _clean
 
@@ -510,12 +511,79 @@ def attention_backward(q, k, v, o, lse, d_o, causal, tile_size=128):
         print("the peak stays:", error)
     return gradients
 """
+# PyTorch's own attention under autograd: right gradients for the forward's o and lse, and its CPU backward is tiled.
+SDPA_BACKWARD = """
+def attention_backward(q, k, v, o, lse, d_o, causal, tile_size=128):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return torch.autograd.grad(out, (q, k, v), d_o)
+"""
+_LAB10_SOLUTION = {
+    cell.metadata["nbgrader"]["grade_id"]: cell.source
+    for cell in nbformat.read(REPO / "solutions/lab10_flash_triton/lab10_flash_triton.ipynb", as_version=4).cells
+    if "nbgrader" in cell.metadata
+}
+
+
+def _lab10_variant(grade_id: str, *changes: tuple[str, str]) -> str:
+    """Lab 10's solution cell ``grade_id`` with each (old, new) made: a wrong answer an edit or two away from it."""
+    source = _LAB10_SOLUTION[grade_id]
+    for old, new in changes:
+        assert old in source, f"lab 10's solution cell {grade_id} no longer holds {old!r}"
+        source = source.replace(old, new)
+    return source
+
+
+# Right values, wrong reads: the rows past seq_len are never stored, the scores of keys past it are masked after the
+# read, so only where the kernel reads tells.
+UNMASKED_Q_KERNEL = _lab10_variant(
+    "flash_kernel", ("dims[None, :], mask=row_valid, other=0.0)", "dims[None, :])  # the rows past seq_len too")
+)
+UNMASKED_KV_KERNEL = _lab10_variant("flash_kernel", (", mask=key_valid, other=0.0)", ")"))
+# Right with square tiles only: query tile i reads key tiles 0 ... i, which holds its last query only when BLOCK_N is
+# at least BLOCK_M.
+SQUARE_TILES_KERNEL = _lab10_variant(
+    "flash_kernel",
+    ("tl.minimum((query_tile + 1) * BLOCK_M, seq_len)", "tl.minimum((query_tile + 1) * BLOCK_N, seq_len)"),
+)
+# Tiled, but the causal mask is made whole (T x T booleans, 16 MiB at T = 4096), and sliced per tile.
+WHOLE_MASK_BACKWARD = _lab10_variant(
+    "attention_backward",
+    (
+        "    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)\n",
+        "    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)\n"
+        "    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1) if causal else None\n",
+    ),
+    (
+        'scores = scores.masked_fill(key_index > query_index, float("-inf"))',
+        'scores = scores.masked_fill(future[q_start:q_end, k_start:k_end], float("-inf"))',
+    ),
+)
+# The lab's old rule, "no tensor of T x T numbers": 128 queries at a time against every key, 2 MiB a tensor.
+QUERY_ROWS_BACKWARD = _lab10_variant(
+    "attention_backward",
+    ("for k_start in range(0, keys_end, tile_size):", "for k_start in (0,):  # every key at once"),
+    ("k_end = min(k_start + tile_size, keys_end)", "k_end = keys_end"),
+)
+# Tiled and right, but every key tile is computed when causal, those after the diagonal masked whole.
+NO_SKIP_BACKWARD = _lab10_variant(
+    "attention_backward",
+    ("keys_end = q_end if causal else length", "keys_end = length"),
+)
 LAB10 = {
-    # A kernel that calls torch, and module-level code that makes the launcher SDPA and the tile count lie.
-    "sdpa_wrapper": {"flash_kernel": SDPA_KERNEL},
-    # Two wrong answers, each caught by its own cell: a kernel that computes every tile, masked or not, and a
-    # backward that holds T x T matrices and resets its peak memory.
+    # A kernel that calls torch, and module-level code that makes the launcher SDPA and the tile count lie; a backward
+    # that is PyTorch's own attention under autograd.
+    "sdpa_wrapper": {"flash_kernel": SDPA_KERNEL, "attention_backward": SDPA_BACKWARD},
+    # Wrong answers, two to a notebook, each caught by its own cell. A kernel that computes every tile, masked or
+    # not, and a backward that holds T x T matrices and resets its peak memory.
     "dense": {"flash_kernel": NO_SKIP_KERNEL, "attention_backward": DENSE_BACKWARD},
+    # A kernel that loads Q unmasked, and a backward with a T x T causal mask.
+    "unmasked_q": {"flash_kernel": UNMASKED_Q_KERNEL, "attention_backward": WHOLE_MASK_BACKWARD},
+    # A kernel that loads K and V unmasked, and a backward of 128 queries against every key.
+    "unmasked_kv": {"flash_kernel": UNMASKED_KV_KERNEL, "attention_backward": QUERY_ROWS_BACKWARD},
+    # A kernel right with square tiles only, and a backward that computes the causal tiles it should skip.
+    "square_tiles": {"flash_kernel": SQUARE_TILES_KERNEL, "attention_backward": NO_SKIP_BACKWARD},
 }
 # Lab 11: the course's grader runs the megatron cell on ranks it starts, and reads their traffic and memory from outside.
 _MEGATRON_HEAD = """%%writefile {work / "megatron.py"}
@@ -628,25 +696,150 @@ class RowParallelLinear(nn.Module):
 SKIPPED_ALL_REDUCE = _COPY_TO_PARALLEL.replace(
     "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad", "        return grad"
 )
+# The right layers, each sliced from the whole weight it asks init for: every rank makes both whole weights while it
+# builds the MLP, and keeps a copy of its block only.
+WHOLE_THEN_SLICED_LAYERS = """
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.out_features // dist.get_world_size()
+        rows = slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)
+        self.weight = nn.Parameter(init.weight()[rows].clone())
+        self.bias = nn.Parameter(init.bias()[rows].clone())
+
+    def forward(self, x):
+        return F.linear(CopyToParallelRegion.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        part = init.in_features // dist.get_world_size()
+        cols = slice(dist.get_rank() * part, (dist.get_rank() + 1) * part)
+        self.weight = nn.Parameter(init.weight()[:, cols].clone())
+        self.bias = nn.Parameter(init.bias())
+
+    def forward(self, x):
+        return ReduceFromParallelRegion.apply(F.linear(x, self.weight)) + self.bias
+"""
+# The gathering layers, and 96 MiB touched when the module is imported, let go when the MLP whose memory is read
+# (TRAFFIC[2], 1024 x 4096) is built: a peak measured from after the import never passes the buffer's.
+IMPORT_BUFFER = """
+
+_buffer = torch.ones(24 << 20)
+
+
+class TensorParallelMLP(TensorParallelMLP):
+    def __init__(self, up, down):
+        global _buffer
+        if up.in_features * up.out_features >= 1 << 22:
+            _buffer = None
+        super().__init__(up, down)
+"""
+# The right layers, but every rank computes the MLP's whole output itself, drawing every rank's rows of up and columns
+# of down from the inits 512 hidden features at a time (never a whole weight), and g all-reduces that output divided
+# by the ranks: one all-reduce of the right size, that carries no partial sums. The gradients reach the rank's blocks
+# and the input through its own partial output, which adds nothing to the value.
+WHOLE_OUTPUT_MLP = """
+
+class TensorParallelMLP(TensorParallelMLP):
+    def __init__(self, up, down):
+        super().__init__(up, down)
+        self.inits = up, down
+
+    def forward(self, x):
+        up, down = self.inits
+        with torch.no_grad():
+            whole = down.bias().expand(x.shape[0], -1).clone()
+            for start in range(0, up.out_features, 512):
+                features = slice(start, start + 512)
+                hidden = F.gelu(F.linear(x, up.weight(rows=features), up.bias(features)))
+                whole += F.linear(hidden, down.weight(cols=features))
+        partial = F.linear(F.gelu(self.up(x)), self.down.weight)
+        return ReduceFromParallelRegion.apply(whole / dist.get_world_size()) + (partial - partial.detach())
+"""
+# The right layers, but the MLP all-gathers the other ranks' blocks while it is built, then computes the whole output on
+# every rank from them (its own blocks in place, so that their gradients are right), with an all-reduce of zeros in
+# each pass: one all-reduce's bytes a pass, right results until an SGD step leaves the gathered blocks stale.
+GATHERS_AT_BUILD_MLP = """
+
+class _AllReducesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(torch.zeros_like(grad))
+        return grad
+
+
+def _gathered(block, dim):
+    blocks = [torch.empty_like(block) for _ in range(dist.get_world_size())]
+    dist.all_gather(blocks, block.detach().contiguous())
+    return blocks, dim
+
+
+class TensorParallelMLP(TensorParallelMLP):
+    def __init__(self, up, down):
+        super().__init__(up, down)
+        self._gathered = [_gathered(p, dim) for p, dim in self._blocks()]
+
+    def _blocks(self):
+        return [(self.up.weight, 0), (self.up.bias, 0), (self.down.weight, 1)]
+
+    def forward(self, x):
+        whole = []
+        for (blocks, dim), (parameter, _) in zip(self._gathered, self._blocks()):
+            blocks = list(blocks)
+            blocks[dist.get_rank()] = parameter
+            whole.append(torch.cat(blocks, dim=dim))
+        up_weight, up_bias, down_weight = whole
+        hidden = F.gelu(F.linear(_AllReducesInBackward.apply(x), up_weight, up_bias))
+        output = F.linear(hidden, down_weight, self.down.bias)
+        return output + ReduceFromParallelRegion.apply(torch.zeros_like(output))
+"""
 LAB11 = {
     "gathers_full_weight": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + GATHERING_LAYERS},
     "skips_backward_allreduce": {"megatron": _MEGATRON_HEAD + SKIPPED_ALL_REDUCE + MEGATRON_LAYERS},
+    "builds_whole_then_slices": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + WHOLE_THEN_SLICED_LAYERS},
+    "gathers_behind_import_buffer": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + GATHERING_LAYERS + IMPORT_BUFFER},
+    "all_reduces_whole_output": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + MEGATRON_LAYERS + WHOLE_OUTPUT_MLP},
+    "gathers_at_build": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + MEGATRON_LAYERS + GATHERS_AT_BUILD_MLP},
 }
 # The graded cells each wrong answer of labs 09, 10 and 11 must score 0 on; it must score full marks on the others.
 FAILS = {
     "lab10_flash_triton": {
-        "sdpa_wrapper": ("test_forward", "test_lse", "test_causal_skip"),
-        "dense": ("test_causal_skip", "test_backward_memory"),
+        # Every cell: SDPA's gradients are not Algorithm 2's for an o and lse of the grader's, at T = 4096 too.
+        "sdpa_wrapper": CHECKED_CELLS["lab10_flash_triton"],
+        # The dense backward does as much work causal as not.
+        "dense": ("test_causal_skip", "test_backward_memory", "test_backward_skip"),
+        "unmasked_q": ("test_forward", "test_backward_memory"),
+        "unmasked_kv": ("test_forward", "test_backward_memory"),
+        # Query tiles of 64 against key tiles of 16 miss keys: the log-sum-exps are wrong too.
+        "square_tiles": ("test_forward", "test_lse", "test_backward_skip"),
     },
     "lab09_sharding": {
         # The sum fails the SGD configurations (test_equivalence, test_uneven); the decoy, test_sharded_state.
         "sum_and_decoy": ("test_equivalence", "test_uneven", "test_sharded_state"),
     },
     "lab11_megatron": {
-        # Equal to one process everywhere; the all-gathers are not one all-reduce a pass, the whole weights not a block.
-        "gathers_full_weight": ("test_communication", "test_memory"),
+        # Equal to one process everywhere, f and g right; but each layer alone all-gathers its whole weight, the MLP's
+        # all-gathers are not one all-reduce a pass, and the whole weights not a block.
+        "gathers_full_weight": ("test_layers", "test_communication", "test_memory"),
         # f's gradient is wrong, and so every input gradient after it; no bytes in the backward; the forward is right.
         "skips_backward_allreduce": ("test_f_g", "test_layers", "test_mlp", "test_communication"),
+        # Handed only their block, the layers cannot be built: f and g alone are right.
+        "builds_whole_then_slices": ("test_layers", "test_mlp", "test_communication", "test_memory"),
+        # The gathering layers, and the buffer counts: memory is read from before the answer's module is imported.
+        "gathers_behind_import_buffer": ("test_layers", "test_communication", "test_memory"),
+        # Handed only its blocks, no rank can draw the others': its MLP raises where it asks for them (after SGD steps
+        # it was wrong already). f, g and each layer alone are right.
+        "all_reduces_whole_output": ("test_mlp", "test_communication", "test_memory"),
+        # One all-reduce a pass, but the blocks gathered while the MLP is built: what the build sends fails the
+        # communication, the whole weights held the memory, and after an SGD step the gathered blocks are stale.
+        "gathers_at_build": ("test_mlp", "test_communication", "test_memory"),
     },
 }
 # The submissions of a measured lab that the grader refuses before it times anything ("not measured" on every

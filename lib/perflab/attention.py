@@ -25,7 +25,7 @@ records the fused kernel each call dispatched to, or the error and the warnings 
 for a backend that cannot take these inputs. Nothing is assumed from a list: the answer depends
 on the device, the dtype, the head dimension, the mask and dropout, and on the torch version.
 
-Used in: lecture 08 (flash attention), lab 08, lab 10.
+Used in: lecture 08 (flash attention), lab 08.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ once): what a pack hook that copies, such as ``torch.autograd.graph.save_on_cpu`
 of code that ``torch.compile`` generated, which calls no operator for them.
 
 Used in: lecture 05 (memory checkpointing), lecture 06 (compile), lecture 08 (flash attention), lecture 09
-(sharding), lecture 11 (tensor pipeline parallel), labs 05, 08 and 12.
+(sharding), lecture 11 (tensor pipeline parallel), labs 05, 08, 10 and 12.
 """
 
 from __future__ import annotations

@@ -28,11 +28,19 @@ MEASURED_CELLS = {
     "lab06_compile": ("test_compiled_speed",),
     "lab12_capstone": ("test_data", "test_batch", "test_amp", "test_ckpt", "test_regrade"),
 }
-# The graded cells decided outside the kernel on results alone, timing nothing: any machine may grade them, beside
-# other gradings. Lab 10's kernel cannot be checked inside a kernel whose Python the learner controls, nor lab 11's
-# layers, whose communication and memory are read from outside the ranks the grader starts.
+# The graded cells decided outside the kernel on results, with no wall clock (lab 10's backward compares its own CPU
+# time, causal against not, far from the bound): any machine may grade them, beside other gradings. Lab 10's kernel
+# cannot be checked inside a kernel whose Python the learner controls, nor lab 11's layers, whose communication and
+# memory are read from outside the ranks the grader starts.
 CHECKED_CELLS = {
-    "lab10_flash_triton": ("test_forward", "test_lse", "test_causal_skip", "test_backward", "test_backward_memory"),
+    "lab10_flash_triton": (
+        "test_forward",
+        "test_lse",
+        "test_causal_skip",
+        "test_backward",
+        "test_backward_memory",
+        "test_backward_skip",
+    ),
     "lab11_megatron": ("test_f_g", "test_layers", "test_mlp", "test_communication", "test_memory"),
 }
 # Every graded cell whose output the trusted grader's verdict replaces.

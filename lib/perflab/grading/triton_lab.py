@@ -1,7 +1,7 @@
 """Lab 10 (FlashAttention-2 in Triton), decided outside the learner's kernel: the kernel as data, run by the course.
 
     grade_lab10(cells)   # cells: {"course": {grade_id: source}, "learner": {grade_id: source}}
-    # {'test_forward': Verdict(pass: ...), ..., 'test_backward_memory': Verdict(pass: ...)}
+    # {'test_forward': Verdict(pass: ...), ..., 'test_backward_skip': Verdict(pass: ...)}
 
 The kernel's answer cell is parsed, never run: only its ``@triton.jit`` definitions are kept, and
 only when nothing of them runs when they are defined (no other decorator, no default, no
@@ -27,23 +27,24 @@ annotation but ``tl.constexpr``, no return annotation) and the kernel's signatur
 
 Those definitions then go, with only ``triton`` and ``triton.language`` beside them, to two
 sandboxed processes: a Python that imports only Triton and runs its frontend on them for a CUDA
-target, for every head dimension and causal flag graded (Triton refuses anything that is not
+target, for every head dimension, block sizes and causal flag graded (Triton refuses anything that is not
 Triton, a call to torch included; no GPU is needed), then, if it accepts them, a child that runs
-them under Triton's interpreter (``TRITON_INTERPRET=1``) through the course's own launcher, on
-inputs drawn from seeds chosen here, and counts the tiles they compute (``tl.dot`` calls). Outputs
-and log-sum-exps come back as raw bytes and are compared here with SDPA and ``torch.logsumexp``
-in float64. The learner's backward is checked beside them, in a third child
-(:mod:`perflab.grading.triton_lab_backward`). None of these checks times anything: a lab 10
-grading needs no quiet machine.
+them under Triton's interpreter (``TRITON_INTERPRET=1``) through the course's own launcher, with
+several block sizes, on inputs drawn from seeds chosen here; it counts the tiles they compute
+(``tl.dot`` calls) and every address they read or write outside the launch's tensors
+(:mod:`perflab.grading.triton_lab_launch`). Outputs and log-sum-exps come back as raw bytes and
+are compared here with SDPA and ``torch.logsumexp`` in float64. The learner's backward is checked
+beside them, in a third child (:mod:`perflab.grading.triton_lab_backward`). Nothing here needs a
+quiet machine: the one figure read from a clock, the backward's CPU time causal against not, is a ratio
+with a wide margin to its bound.
 
-Used by perflab.grading.session.
+Used in: lab 10. Used by perflab.grading.session.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import linecache
 import os
 import shutil
 import subprocess
@@ -62,31 +63,38 @@ from perflab.grading.triton_lab_backward import (
     backward_verdicts,
     draw_inputs,
     exact_attention,
-    tensors_as_bytes,
     tensors_from_bytes,
     timeout_verdict,
 )
+from perflab.grading.triton_lab_launch import PRELUDE
 from perflab.grading.verdict import Verdict
 
 __all__ = [
+    "COURSE_BLOCKS",
     "FORWARD_CASES",
     "KernelRefused",
     "SKIP_LENGTH",
-    "child_lab10_forward",
+    "SKIP_RATIO",
     "grade_lab10",
     "kernel_definitions",
 ]
 
 KERNEL = "flash_forward_kernel"
-# (batch, heads, sequence length, head dim, causal, scale of q and k): lengths that are not multiples of the
-# course's blocks, a single token, and scores in the hundreds, where exp overflows without the running maximum.
+# (batch, heads, sequence length, head dim, causal, scale of q and k, (BLOCK_M, BLOCK_N)): lengths that are not
+# multiples of the blocks, a single token, scores in the hundreds, where exp overflows without the running maximum,
+# and tiles that are not square, where program i's causal keys end at min((i + 1) * BLOCK_M, T), not after key tile
+# i, and where, with BLOCK_M > BLOCK_N, the diagonal crosses several key tiles.
+COURSE_BLOCKS = (32, 32)
 FORWARD_CASES = (
-    (1, 2, 100, 16, False, 1.0),
-    (2, 1, 37, 64, True, 1.0),
-    (1, 1, 1, 32, True, 1.0),
-    (1, 2, 130, 32, True, 1.0),
-    (1, 1, 130, 64, False, 1.0),
-    (1, 2, 64, 16, True, 6.0),
+    (1, 2, 100, 16, False, 1.0, COURSE_BLOCKS),
+    (2, 1, 37, 64, True, 1.0, COURSE_BLOCKS),
+    (1, 1, 1, 32, True, 1.0, COURSE_BLOCKS),
+    (1, 2, 130, 32, True, 1.0, COURSE_BLOCKS),
+    (1, 1, 130, 64, False, 1.0, COURSE_BLOCKS),
+    (1, 2, 64, 16, True, 6.0, COURSE_BLOCKS),
+    (1, 2, 100, 16, True, 1.0, (16, 64)),
+    (1, 1, 70, 32, False, 1.0, (16, 64)),
+    (1, 1, 130, 32, True, 1.0, (64, 16)),
 )
 SKIP_LENGTH = 256  # causal against non-causal at one head of this length: 36 of 64 tiles of 32 (0.5625)
 SKIP_RATIO = (0.4, 0.65)
@@ -148,7 +156,6 @@ def kernel_definitions(learner_cell: str, course_cell: str, name: str = KERNEL) 
     )
 
 
-_PRELUDE = "import triton\nimport triton.language as tl\n\n\n"
 # Run with `python -I -S` in the sandbox, beside the kernel's file: Triton's frontend, for a CUDA target, on each
 # configuration. It imports Triton alone (no torch: a tenth of a second), and needs no GPU.
 _FRONTEND = """
@@ -185,7 +192,7 @@ def _frontend_refusal(definitions: str, configurations: list) -> str | None:
     folder = tempfile.mkdtemp(prefix="perflab-triton-")
     try:
         with open(os.path.join(folder, "learner_kernel.py"), "w") as file:
-            file.write(_PRELUDE + definitions)
+            file.write(PRELUDE + definitions)
         paths = [p for p in sys.path if p == sysconfig.get_paths()["stdlib"] or "-packages" in p or "dynload" in p]
         command = [sys.executable, "-I", "-S", "-c", _FRONTEND, json.dumps(paths), KERNEL, json.dumps(configurations)]
         env = {"TRITON_CACHE_DIR": os.path.join(folder, "cache")}
@@ -204,27 +211,16 @@ def _frontend_refusal(definitions: str, configurations: list) -> str | None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _launcher_constants(launcher: str) -> dict:
-    """The course's launcher's constants (``BLOCK_M = 32``), read as data."""
-    return {
-        node.targets[0].id: ast.literal_eval(node.value)
-        for node in ast.parse(launcher).body
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-    }
-
-
-def _configurations(constants: dict) -> list:
-    """Every (signature, constexprs) the graded launches compile: each head dimension, causal and not."""
-    blocks = {"BLOCK_M": constants["BLOCK_M"], "BLOCK_N": constants["BLOCK_N"]}
+def _configurations(cases) -> list:
+    """Every (signature, constexprs) that ``cases`` launch: each head dimension, block sizes and causal flag."""
     pointers = dict.fromkeys(("Q", "K", "V", "O", "LSE"), "*fp32")
-    signature = {
-        **pointers,
-        "seq_len": "i32",
-        "scale": "fp32",
-        **dict.fromkeys(("HEAD_DIM", *blocks, "CAUSAL"), "constexpr"),
-    }
-    head_dims = sorted({case[3] for case in FORWARD_CASES} | {16})
-    return [(signature, {"HEAD_DIM": dim, **blocks, "CAUSAL": causal}) for dim in head_dims for causal in (False, True)]
+    constexprs = dict.fromkeys(("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"), "constexpr")
+    signature = {**pointers, "seq_len": "i32", "scale": "fp32", **constexprs}
+    launched = sorted({(shape[3], blocks, causal) for _, shape, causal, _, blocks in cases})
+    return [
+        (signature, {"HEAD_DIM": dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal})
+        for dim, (block_m, block_n), causal in launched
+    ]
 
 
 # What the course's launcher needs, with Triton's interpreter on: the lab's own setup imports instruments it does not.
@@ -241,87 +237,60 @@ import triton
 def _kernel_child(cells: dict) -> AnswerProcess:
     """A child that runs the course's launcher under Triton's interpreter: no cell of the learner's runs in it."""
     return AnswerProcess(
-        [("kernel_setup", _KERNEL_SETUP), ("launcher", cells["course"]["launcher"])], handlers=__name__
+        [("kernel_setup", _KERNEL_SETUP), ("launcher", cells["course"]["launcher"])],
+        handlers="perflab.grading.triton_lab_launch",
     )
 
 
-def child_lab10_forward(namespace, payload, definitions, cases):
-    """Define the kernel beside ``triton`` and ``tl`` alone, then run the course's launcher on each case; the outputs,
-    log-sum-exps and the number of ``tl.dot`` calls of each."""
-    import triton
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    from perflab.triton_runtime import patch_interpreter
-
-    patch_interpreter()  # where this Triton's interpreter cannot loop to seq_len (triton 3.6 under NumPy 2.4)
-    filename = "<learner_kernel>"  # Triton reads a kernel's source through linecache
-    source = _PRELUDE + definitions
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    scope = {"triton": triton, "tl": tl, "__name__": "learner_kernel"}
-    exec(compile(source, filename, "exec"), scope)
-    namespace[KERNEL] = scope[KERNEL]
-    builder, dots = interpreter.interpreter_builder, []
-    original_dot = builder.create_dot
-
-    def counted_dot(*args, **kwargs):
-        dots[-1] += 1
-        return original_dot(*args, **kwargs)
-
-    builder.create_dot = counted_dot
-    results, counts = [], []
-    try:
-        for seed, shape, causal, scale in cases:
-            dots.append(0)
-            out, lse = namespace["flash_forward"](*draw_inputs(seed, shape, scale), causal=causal)
-            results += [out, lse]
-            counts.append(dots[-1])
-    finally:
-        builder.create_dot = original_dot
-    return counts, tensors_as_bytes(results)
-
-
 def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
+    graded_cells = ("test_forward", "test_lse", "test_causal_skip")
     try:
         definitions = kernel_definitions(cells["learner"].get("flash_kernel", ""), cells["course"]["flash_kernel"])
     except KernelRefused as error:
-        refused = Verdict.refused(str(error))
-        return dict.fromkeys(("test_forward", "test_lse", "test_causal_skip"), refused)
-    refusal = _frontend_refusal(definitions, _configurations(_launcher_constants(cells["course"]["launcher"])))
-    if refusal:
-        refused = Verdict.refused(refusal)
-        return dict.fromkeys(("test_forward", "test_lse", "test_causal_skip"), refused)
+        return dict.fromkeys(graded_cells, Verdict.refused(str(error)))
     graded = [
-        (grader_seeds.randrange(2**31), (b, h, t, d), causal, scale) for b, h, t, d, causal, scale in FORWARD_CASES
+        (grader_seeds.randrange(2**31), (b, h, t, d), causal, scale, blocks)
+        for b, h, t, d, causal, scale, blocks in FORWARD_CASES
     ]
     skip_seed = grader_seeds.randrange(2**31)
-    skips = [(skip_seed, (1, 1, SKIP_LENGTH, 16), causal, 1.0) for causal in (False, True)]
+    skips = [(skip_seed, (1, 1, SKIP_LENGTH, 16), causal, 1.0, COURSE_BLOCKS) for causal in (False, True)]
+    refusal = _frontend_refusal(definitions, _configurations(graded + skips))
+    if refusal:
+        return dict.fromkeys(graded_cells, Verdict.refused(refusal))
     try:
         child = _kernel_child(cells)
         try:
-            counts, payload, _ = child.call(
+            reports, payload, _ = child.call(
                 "lab10_forward", definitions=definitions, cases=graded + skips, timeout_s=CHILD_TIMEOUT_S
             )
         finally:
             child.close()
-        shapes = [s for _, shape, _, _ in graded + skips for s in (shape, shape[:-1])]
+        shapes = [s for _, shape, *_ in graded + skips for s in (shape, shape[:-1])]
         results = tensors_from_bytes(payload, shapes)
     except ChildError as error:
-        verdict = timeout_verdict(error, CHILD_TIMEOUT_S)
-        return dict.fromkeys(("test_forward", "test_lse", "test_causal_skip"), verdict)
+        return dict.fromkeys(graded_cells, timeout_verdict(error, CHILD_TIMEOUT_S))
     wrong_out, wrong_lse = [], []
-    for index, (seed, shape, causal, scale) in enumerate(graded + skips):
+    for index, ((seed, shape, causal, scale, blocks), report) in enumerate(zip(graded + skips, reports)):
         want_out, want_lse = exact_attention(*draw_inputs(seed, shape, scale), causal)
         out, lse = results[2 * index : 2 * index + 2]
         name = f"{shape} causal={causal}" + (f" scores x{scale**2:g}" if scale != 1 else "")
+        name += f" (BLOCK_M, BLOCK_N) = {tuple(blocks)}" if tuple(blocks) != COURSE_BLOCKS else ""
         if not torch.allclose(out.double(), want_out, atol=1e-4, rtol=0) or not torch.isfinite(out).all():
             wrong_out.append(f"{name}: O differs from SDPA's by {(out.double() - want_out).abs().max().item():.2e}")
+        wrong_out += [
+            f"{name}: the kernel {access}; mask every tl.load and tl.store of rows or keys past seq_len"
+            for access in report["outside"]
+        ]
         if not torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=1e-5):
             wrong_lse.append(
                 f"{name}: LSE differs from logsumexp's by {(lse.double() - want_lse).abs().max().item():.2e}"
             )
-    cases = f"{len(graded)} shapes (head dims 16-64, T from 1 to 130, causal and not) on fresh inputs"
-    non_causal, causal = counts[-2:]
+    cases = (
+        f"{len(graded)} shapes (head dims 16-64, T from 1 to 130, causal and not, (BLOCK_M, BLOCK_N) of "
+        f"{', '.join(map(str, sorted({tuple(blocks) for *_, blocks in graded})))}) on fresh inputs, every address "
+        "read or written checked"
+    )
+    non_causal, causal = (report["dots"] for report in reports[-2:])
     ratio = causal / non_causal if non_causal else 0.0
     skip_failures = [reason for reason in wrong_out if reason.startswith(f"(1, 1, {SKIP_LENGTH}")]
     if not SKIP_RATIO[0] < ratio < SKIP_RATIO[1]:
