@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # The supported range is pyproject.toml's; each tested torch has its torchvision in constraints/torch-X.Y.Z.txt.
 # `make setup` installs the default pair; `make test-compat` the range's oldest end unless TORCH= says another.
 # PIP_CONSTRAINT, not -c: the pair replaces any constraint pip's configuration sets (a machine's cap on torch).
-DEFAULT_TORCH := 2.14.1
+DEFAULT_TORCH := 2.15.0
 OLDEST_TORCH := 2.11.0
 COMPAT_TORCH := $(if $(filter undefined,$(origin TORCH)),$(OLDEST_TORCH),$(TORCH))
 TORCH ?= $(DEFAULT_TORCH)

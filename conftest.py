@@ -182,11 +182,38 @@ def _stop_notebook_kernels_as_jupyterlab_does() -> None:
 COMPAT_ROUND_TRIPS = ("lab05_memory", "lab06_compile")
 
 
-# The work xdist hands out whole, in this order (--no-loadscope-reorder keeps it): the grading round trip (a module
-# fixture grades every lab), the lectures, then each other module. When the website's test runs, every lecture and it
-# are one unit, as it reuses the lectures as this process ran them; otherwise (the compatibility tier) each lecture is
-# a unit of its own, and the workers share them.
-_LONGEST_GROUPS = ("tests/test_labs.py", "lectures")
+# The work xdist hands out whole, longest first (--no-loadscope-reorder keeps the order): the grading round trip (a
+# module fixture grades every lab), the lectures, then each other module. When the website's test runs, every lecture
+# and it are one unit, as it reuses the lectures as this process ran them; otherwise (the compatibility tier) each
+# lecture is a unit of its own, and the workers share them. Longest first, because a worker that has run out of work
+# waits for the other: handed out in file order, test_whole_class.py (over two minutes) ran alone at the end of
+# make test while the other core idled. The seconds are what each unit took in make test on a 2-core EPYC
+# (2026-11-29); a unit not listed counts as short, and a stale figure costs only time.
+_UNIT_SECONDS = {
+    "tests/test_labs.py": 850,
+    "lectures": 470,
+    "tests/test_whole_class.py": 134,
+    "lectures/11_tensor_pipeline_parallel.ipynb": 76,
+    "tests/test_browser.py": 55,
+    "lectures/10_triton.ipynb": 51,
+    "lectures/09_sharding.ipynb": 50,
+    "tests/test_grading.py": 47,
+    "lectures/07_ddp.ipynb": 44,
+    "lectures/03_data_loading.ipynb": 35,
+    "lectures/05_memory_checkpointing.ipynb": 32,
+    "tests/test_distributed.py": 26,
+    "tests/test_child_integrity.py": 24,
+    "lectures/06_compile.ipynb": 22,
+    "lectures/02_profiling.ipynb": 19,
+    "lectures/08_flash_attention.ipynb": 18,
+    "lectures/04_mixed_precision.ipynb": 17,
+    "tests/test_new_notebook.py": 15,
+    "tests/test_triton_lab.py": 14,
+    "tests/test_megatron_lab.py": 12,
+    "tests/test_doctor.py": 12,
+    "tests/test_capstone.py": 12,
+    "tests/test_triton_runtime.py": 11,
+}
 _SITE_TEST = "tests/test_site.py"
 
 
@@ -211,7 +238,9 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(items):
+    """Mark the slow and the compatibility tiers' tests before -m deselects by those marks; order what is left."""
     for item in items:
         # A notebook run under nbval is never part of the fast tier; every lecture is part of the compatibility tier.
         if item.path.suffix == ".ipynb":
@@ -224,11 +253,15 @@ def pytest_collection_modifyitems(items):
             and callspec.params["lab"] in COMPAT_ROUND_TRIPS
         ):
             item.add_marker(pytest.mark.compat)
+    yield  # the other implementations, -m's deselection among them
 
     # The website's test comes after the lectures: it reuses them as nbval ran them (see _keep_executed_lecture).
+    # The site decides how lectures are grouped here as the scheduler does: one unit with it, one each without it.
+    site_tested = any(item.nodeid.startswith(_SITE_TEST) for item in items)
+
     def rank(item):
-        group = _xdist_group(item.nodeid)
-        return (_LONGEST_GROUPS.index(group) if group in _LONGEST_GROUPS else 2, item.path.name == "test_site.py")
+        group = _xdist_group(item.nodeid, lectures_together=site_tested)
+        return (-_UNIT_SECONDS.get(group, 0), item.path.name == "test_site.py")
 
     items.sort(key=rank)
 

@@ -8,6 +8,7 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 from perflab.grading.course import REPO
+from perflab.torch_features import DEFAULT
 
 sys.path.insert(0, str(REPO / "tools"))
 import environment_files  # noqa: E402  (tools/ is not a package: it is put on the path above)
@@ -75,7 +76,7 @@ def test_the_script_finds_a_stale_file_and_rewrites_it(tmp_path):
     for name in (
         "pyproject.toml",
         "Makefile",
-        "constraints/torch-2.14.1.txt",
+        f"constraints/torch-{DEFAULT}.txt",
         "environment.yml",
         "binder/environment.yml",
     ):

@@ -38,6 +38,8 @@ def test_the_makefile_the_range_and_the_tested_releases_agree():
     assert all(f" make test-compat TORCH={version}\n" in ci for version in TESTED if version != DEFAULT)
     lowest = min(spec.version for spec in declared.specifier if spec.operator == ">=")
     assert TESTED[0].startswith(lowest + "."), "the suite must run on the oldest torch the course declares"
+    major, below = map(int, min(spec.version for spec in declared.specifier if spec.operator == "<").split("."))
+    assert TESTED[-1].startswith(f"{major}.{below - 1}."), "the suite must run on the newest torch the course declares"
 
 
 def test_the_range_is_checked_on_release_numbers():
