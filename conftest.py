@@ -187,8 +187,8 @@ COMPAT_ROUND_TRIPS = ("lab05_memory", "lab06_compile")
 # and it are one unit, as it reuses the lectures as this process ran them; otherwise (the compatibility tier) each
 # lecture is a unit of its own, and the workers share them. Longest first, because a worker that has run out of work
 # waits for the other: handed out in file order, test_whole_class.py (over two minutes) ran alone at the end of
-# make test while the other core idled. The seconds are what each unit took in make test on a 2-core EPYC
-# (2026-11-29); a unit not listed counts as short, and a stale figure costs only time.
+# make test while the other core idled. The seconds are what each unit's slowest tests took in make test on a
+# 2-core EPYC (pytest --durations, 2026-11-29); a unit not listed counts as short, and a stale figure costs only time.
 _UNIT_SECONDS = {
     "tests/test_labs.py": 850,
     "lectures": 470,
