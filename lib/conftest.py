@@ -3,6 +3,7 @@
 Never the learner's data cache, never the repository, never loose in the system's temporary folder.
 """
 
+import contextlib
 import tempfile
 
 import matplotlib.pyplot as plt
@@ -15,6 +16,17 @@ def _doctest_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("doctests")
     (folder / "tmp").mkdir()
     return folder
+
+
+# The examples whose result is a timing: each takes the machine alone (conftest.py, Machine), as the other tests' load
+# would fall on whichever phase of it was running.
+MEASURING_EXAMPLES = {"perflab.planted"}
+
+
+@pytest.fixture(autouse=True)
+def _measuring_examples_have_the_machine_alone(request, machine):
+    with machine.alone() if request.node.name in MEASURING_EXAMPLES else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture(autouse=True)

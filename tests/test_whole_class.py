@@ -27,6 +27,13 @@ LAB = "lab01_timing"
 DASK = str(Path(sys.executable).parent / "dask")
 
 
+# How long grading a class of four lab 01 submissions on the two workers may take, a worker killed or the grading
+# interrupted on the way: about a minute on a quiet 2-core EPYC. A machine three times slower, whose cores the round
+# trip's gradings and the lectures share (a cgroup at a third of its CPU), took over 600 s; the bound keeps a stuck
+# grading from holding CI.
+CLASS_GRADING_BOUND_S = 1800
+
+
 @pytest.fixture(scope="module")
 def cell_timeout_s() -> int:
     """The per-cell limit the class is graded with: long enough for every cell of a solved lab 01 on this machine,
@@ -188,9 +195,10 @@ def test_a_worker_killed_while_it_grades_loses_nothing(released_course, schedule
         time.sleep(0.2)
     assert victim is not None, "no worker was seen grading"
     victim.kill()
-    grading.join(timeout=600)
+    grading.join(timeout=CLASS_GRADING_BOUND_S)
 
-    assert [g.status for g in results[0].gradings] == ["graded"] * 4
+    assert results, f"the class was not graded within {CLASS_GRADING_BOUND_S} s of a worker being killed"
+    assert [g.status for g in results[0].gradings] == ["graded"] * 4, [g.reason for g in results[0].gradings]
     graded = [record["student"] for record in _log(course) if record["status"] == "graded"]
     assert sorted(graded) == [f"learner{n}" for n in range(4)]  # each once: the killed grading merged nothing
 
@@ -200,7 +208,7 @@ def test_an_interrupted_grading_resumes_without_grading_anything_twice(released_
     course = _class(released_course, tmp_path, solved=2, untouched=2)
     command = [sys.executable, "-m", "perflab", "grade", LAB, "--scheduler", scheduler[0], "--course", str(course.root)]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + CLASS_GRADING_BOUND_S / 2
     while not any(r["status"] == "graded" for r in _log(course)) and time.monotonic() < deadline:
         time.sleep(0.2)
     first.send_signal(signal.SIGINT)
@@ -210,7 +218,7 @@ def test_an_interrupted_grading_resumes_without_grading_anything_twice(released_
     graded_first = {r["student"] for r in _log(course) if r["status"] == "graded"}
     assert 1 <= len(graded_first) < 4, graded_first
 
-    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=CLASS_GRADING_BOUND_S)
     assert second.returncode == 0, second.stdout + second.stderr
     graded = [r["student"] for r in _log(course) if r["status"] == "graded"]
     assert sorted(graded) == [f"learner{n}" for n in range(4)]  # nothing graded twice, nothing lost

@@ -20,7 +20,8 @@ serial ``nbgrader autograde`` would have left.
   never beside another grading. A measurement the grader calls inconclusive is graded again
   (elsewhere, where another worker has the resource), never scored. Labs whose cells are only
   checked outside the kernel (``CHECKED_CELLS``, labs 10 and 11: results, no clock) grade anywhere.
-- **Faults**: Dask reruns the grading of a worker that dies on another worker; one broken or
+- **Faults**: Dask reruns the grading of a worker that dies on another worker (and where the course
+  sent to the workers died with it, it is sent again and the grading retried); one broken or
   hanging submission (``cell_timeout_s`` per cell, ``timeout_s`` per grading) fails alone, with
   nbgrader's reason, as a serial autograde fails it. A grading whose trusted grader failed (it
   crashed, ran past its limit, was killed for memory) is "grading failed, not scored", and graded
@@ -47,6 +48,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -313,16 +315,18 @@ def grade_class(
     futures, run = {}, uuid.uuid4().hex[:8]
     try:
         n_workers = _check_workers(client, bundle.measured)
-        bundle_future = _scatter_to_every_worker(client, bundle)
+        scattered = [_scatter_to_every_worker(client, bundle)]
         resources = {MEASURED_RESOURCE: 1} if bundle.measured else None
 
         def submit(student: str, attempt: int, avoid: str = ""):
+            if scattered[-1].cancelled():  # lost with a worker that died (dask/distributed#3149): send it again
+                scattered.append(_scatter_to_every_worker(client, bundle))
             folder = Path(coursedir.format_path(coursedir.submitted_directory, student, lab))
             others = [address for address in client.scheduler_info()["workers"] if address != avoid] if avoid else []
             elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
             future = client.submit(
                 grade_in_working_copy,
-                bundle_future,
+                scattered[-1],
                 Submission(student, lab, read_folder(folder)),
                 cell_timeout_s=cell_timeout_s,
                 timeout_s=timeout_s,
@@ -342,6 +346,10 @@ def grade_class(
                 student, attempt = futures.pop(future)
                 try:
                     graded = future.result()
+                except CancelledError:  # the course it was sent was lost with a worker: grade it again
+                    graded = Graded(
+                        student, "failed", reason="the course sent to the workers was lost", not_scored=True
+                    )
                 except Exception as error:  # the worker died too often (KilledWorker), or the task could not run
                     graded = Graded(student, "failed", reason=f"{type(error).__name__}: {error}"[:300])
                 score = None, None
