@@ -194,7 +194,7 @@ _UNIT_SECONDS = {
     "lectures": 470,
     "tests/test_whole_class.py": 134,
     "lectures/11_tensor_pipeline_parallel.ipynb": 76,
-    "tests/test_browser.py": 55,
+    "tests/test_browser.py": 90,
     "lectures/10_triton.ipynb": 51,
     "lectures/09_sharding.ipynb": 50,
     "tests/test_grading.py": 47,

@@ -14,6 +14,14 @@ c.CourseDirectory.course_id = "perflab"
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "labs"
 
+# nbgrader's exchange (release_assignment, fetch, submit, collect) in the course's own folder, for a course on one
+# machine: formgrader asks for the exchange on every page, and where it does not exist (nbgrader's default,
+# /usr/local/share/nbgrader/exchange) logs a critical "Unwritable directory" after each autograde. On a JupyterHub whose
+# learners share an exchange, give its path here instead.
+_exchange = Path(__file__).resolve().parent / "exchange"
+_exchange.mkdir(exist_ok=True)
+c.Exchange.root = str(_exchange)
+
 # Labs train small models and the capstone re-measures a speedup: a cell may run for minutes.
 c.Execute.timeout = 600
 

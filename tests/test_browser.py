@@ -7,6 +7,7 @@ Playwright drives the system browser. On failure a screenshot is saved and its p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,9 +16,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nbgrader.api import Gradebook
 from perflab.distributed import free_port
 from perflab.grading.course import REPO
 
@@ -32,21 +35,14 @@ CELL_TIMEOUT_MS = 180_000
 RETRIES, RETRY_AFTER_MS = 3, 15_000
 
 
-@pytest.fixture(scope="module")
-def jupyterlab(tmp_path_factory):
-    """JupyterLab on a loopback port, serving a temporary copy of the course, with no token."""
-    root = tmp_path_factory.mktemp("course")
-    for folder in ("lectures", "labs"):
-        shutil.copytree(REPO / folder, root / folder)
+@contextlib.contextmanager
+def _serving(root: Path, env: dict[str, str]) -> Iterator[str]:
+    """JupyterLab on a loopback port serving ``root``, with no token: its URL. Its log is ``root/server.log``."""
     settings = root / ".settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     # Every cell in the page, not only those in view: the test finds cells by their text.
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port = free_port()
-    bin_dir = Path(sys.executable).parent
-    env = dict(
-        os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", JUPYTER_RUNTIME_DIR=str(root / ".runtime")
-    )
     server = subprocess.Popen(
         [
             sys.executable,
@@ -64,7 +60,7 @@ def jupyterlab(tmp_path_factory):
             f"--LabApp.workspaces_dir={root / '.workspaces'}",
         ],
         cwd=root,
-        env=env,
+        env=dict(env, JUPYTER_RUNTIME_DIR=str(root / ".runtime")),
         stdout=subprocess.DEVNULL,
         stderr=open(root / "server.log", "w"),
     )
@@ -79,9 +75,22 @@ def jupyterlab(tmp_path_factory):
                 server.kill()
                 pytest.fail(f"JupyterLab did not start: {(root / 'server.log').read_text()[-3000:]}")
             time.sleep(0.5)
-    yield url
-    server.terminate()
-    server.wait(timeout=30)
+    try:
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """JupyterLab serving a temporary copy of the lectures and labs, as a learner opens them."""
+    root = tmp_path_factory.mktemp("course")
+    for folder in ("lectures", "labs"):
+        shutil.copytree(REPO / folder, root / folder)
+    bin_dir = Path(sys.executable).parent
+    with _serving(root, dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")) as url:
+        yield url
 
 
 @pytest.fixture
@@ -195,3 +204,27 @@ def test_lecture_explorers_react_to_their_controls(jupyterlab, page):
         page.keyboard.press("ArrowRight")
 
     assert "activations" in _result_changes(page, memory, longer_sequences)
+
+
+@pytest.mark.slow
+def test_formgrader_autogrades_with_no_critical_error(released_course, tmp_path, page):
+    """An instructor's path: formgrader's autograde button, in JupyterLab served from a fresh course, grades the
+    reference solution to full marks and the untouched release to 0, and the server logs no critical error."""
+    course, lab = released_course.copy_to(tmp_path), "lab01_timing"
+    course.submit("solved", lab, files_from=course.root / "solutions" / lab)
+    course.submit("untouched", lab, files_from=course.root / "labs" / lab)
+    with _serving(course.root, course.environment()) as url:
+        page.goto(f"{url}/formgrader/manage_submissions/{lab}")
+        for student in ("solved", "untouched"):
+            page.locator("tr", has_text=student).locator(".autograde a").click()
+            modal = page.locator("#success-modal")
+            modal.get_by_text(f"Successfully autograded '{lab}' for student '{student}'").wait_for(
+                timeout=CELL_TIMEOUT_MS
+            )
+            modal.get_by_role("button", name="Close").first.click()
+            modal.wait_for(state="detached")
+    log = (course.root / "server.log").read_text()
+    with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
+        solved, untouched = (gradebook.find_submission(lab, student) for student in ("solved", "untouched"))
+        assert solved.code_score == solved.max_code_score > 0 and untouched.code_score == 0
+    assert "CRITICAL" not in log and "Unwritable" not in log, log[-3000:]
