@@ -15,9 +15,9 @@ c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "labs"
 
 # nbgrader's exchange (release_assignment, fetch, submit, collect) in the course's own folder, for a course on one
-# machine: formgrader asks for the exchange on every page, and where it does not exist (nbgrader's default,
-# /usr/local/share/nbgrader/exchange) logs a critical "Unwritable directory" after each autograde. On a JupyterHub whose
-# learners share an exchange, give its path here instead.
+# machine: formgrader looks for the exchange when it handles a request (an autograde among them), and where it does not
+# exist (nbgrader's default, /usr/local/share/nbgrader/exchange) logs a critical "Unwritable directory". On a
+# JupyterHub whose learners share an exchange, give its path here instead.
 _exchange = Path(__file__).resolve().parent / "exchange"
 _exchange.mkdir(exist_ok=True)
 c.Exchange.root = str(_exchange)

