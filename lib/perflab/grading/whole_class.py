@@ -315,18 +315,19 @@ def grade_class(
     futures, run = {}, uuid.uuid4().hex[:8]
     try:
         n_workers = _check_workers(client, bundle.measured)
-        scattered = [_scatter_to_every_worker(client, bundle)]
+        scattered = _scatter_to_every_worker(client, bundle)
         resources = {MEASURED_RESOURCE: 1} if bundle.measured else None
 
         def submit(student: str, attempt: int, avoid: str = ""):
-            if scattered[-1].cancelled():  # lost with a worker that died (dask/distributed#3149): send it again
-                scattered.append(_scatter_to_every_worker(client, bundle))
+            nonlocal scattered
+            if scattered.cancelled():  # lost with a worker that died (dask/distributed#3149): send it again
+                scattered = _scatter_to_every_worker(client, bundle)
             folder = Path(coursedir.format_path(coursedir.submitted_directory, student, lab))
             others = [address for address in client.scheduler_info()["workers"] if address != avoid] if avoid else []
             elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
             future = client.submit(
                 grade_in_working_copy,
-                scattered[-1],
+                scattered,
                 Submission(student, lab, read_folder(folder)),
                 cell_timeout_s=cell_timeout_s,
                 timeout_s=timeout_s,
