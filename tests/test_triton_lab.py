@@ -1,22 +1,31 @@
 """Lab 10's grader: what it keeps of the kernel's cell, what Triton's frontend refuses, where a kernel may read, what
-the backward is checked against, a kernel that never ends, and the numbers the lab's text and checks take from it."""
+the backward is checked against, a kernel that never ends, what bfloat16 is held to, and the numbers the lab's text and
+checks take from it."""
 
 from __future__ import annotations
+
+import importlib.util
+import math
+import re
 
 import nbformat
 import numpy as np
 import pytest
 import torch
-from attacks import NO_SKIP_KERNEL, SDPA_KERNEL, UNMASKED_Q_KERNEL, course_cells
+from attacks import NO_SKIP_KERNEL, SDPA_KERNEL, SQUARE_TILES_KERNEL, UNMASKED_Q_KERNEL, course_cells
 from perflab.grading import triton_lab
 from perflab.grading.course import REPO
 from perflab.grading.triton_lab import (
+    BF16_CASES,
+    BF16_ROUNDOFF,
     COURSE_BLOCKS,
+    FLOAT32_TOLERANCE,
     FORWARD_CASES,
     SKIP_LENGTH,
     SKIP_RATIO,
     KernelRefused,
     kernel_definitions,
+    output_tolerance,
 )
 from perflab.grading.triton_lab_backward import (
     SKIP_LIMIT,
@@ -28,7 +37,9 @@ from perflab.grading.triton_lab_backward import (
     exact_attention,
     memory_limit,
 )
-from perflab.grading.triton_lab_launch import AccessChecker
+from perflab.grading.triton_lab_frontend import configurations, frontend_refusals
+from perflab.grading.triton_lab_launch import PRELUDE, AccessChecker
+from perflab.triton_runtime import compile_for_gpu
 
 COURSE = course_cells("lab10_flash_triton")
 STUB = COURSE["flash_kernel"]
@@ -83,14 +94,27 @@ def test_a_kernel_that_could_run_code_when_defined_or_differs_from_the_course_is
         kernel_definitions(cell, STUB)
 
 
+def _cases(cases, dtype: str) -> list:
+    return [(0, (b, h, t, d), causal, scale, blocks, dtype) for b, h, t, d, causal, scale, blocks in cases]
+
+
 def test_triton_refuses_torch_in_a_kernel_and_takes_the_course_one():
-    cases = [(0, (b, h, t, d), causal, scale, blocks) for b, h, t, d, causal, scale, blocks in FORWARD_CASES]
-    configurations = triton_lab._configurations(cases)
-    launched = {(c["HEAD_DIM"], c["BLOCK_M"], c["BLOCK_N"], c["CAUSAL"]) for _, c in configurations}
-    assert launched >= {(16, 32, 32, True), (64, 32, 32, False), (16, 16, 64, True), (32, 64, 16, True)}
-    assert triton_lab._frontend_refusal(kernel_definitions(COURSE["flash_kernel"], STUB), configurations) is None
-    refusal = triton_lab._frontend_refusal(kernel_definitions(SDPA_KERNEL, STUB), configurations)
-    assert "Triton does not compile it" in refusal and "torch" in refusal
+    cases = _cases(FORWARD_CASES, "float32") + _cases(BF16_CASES, "bfloat16")
+    launched = {(s["Q"], c["HEAD_DIM"], c["BLOCK_M"], c["BLOCK_N"], c["CAUSAL"]) for s, c in configurations(cases)}
+    assert launched >= {("*fp32", 16, 32, 32, True), ("*fp32", 64, 32, 32, False), ("*fp32", 16, 16, 64, True)}
+    assert launched >= {("*fp32", 32, 64, 16, True), ("*bf16", 64, 64, 16, False), ("*bf16", 16, 32, 32, True)}
+    assert frontend_refusals(kernel_definitions(COURSE["flash_kernel"], STUB), cases, "flash_forward_kernel") == {}
+    refusals = frontend_refusals(kernel_definitions(SDPA_KERNEL, STUB), cases, "flash_forward_kernel")
+    assert set(refusals) == {"float32", "bfloat16"}
+    assert all("Triton does not compile it" in refusal and "torch" in refusal for refusal in refusals.values())
+
+
+def test_a_kernel_that_multiplies_p_in_float32_by_bfloat16_v_is_refused_for_bfloat16_only():
+    mixed = COURSE["flash_kernel"].replace("tl.dot(weights.to(v.dtype), v,", "tl.dot(weights, v,")
+    assert mixed != COURSE["flash_kernel"]
+    cases = _cases(FORWARD_CASES, "float32") + _cases(BF16_CASES, "bfloat16")
+    refusals = frontend_refusals(kernel_definitions(mixed, STUB), cases, "flash_forward_kernel")
+    assert set(refusals) == {"bfloat16"} and "Both operands must be same dtype" in refusals["bfloat16"], refusals
 
 
 class _Memory:
@@ -157,11 +181,70 @@ def test_an_unmasked_load_whose_values_come_out_right_fails_where_it_reads():
     assert "the first just past the end of Q; mask every tl.load" in verdicts["test_forward"].reasons[0], verdicts
 
 
-def _solution_cells() -> dict[str, str]:
-    """The solution notebook's cells, markdown included: grade_id -> source, runs of white space made one space."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_bfloat16_tolerance_bounds_the_two_roundings_and_the_notebook_s_is_the_grader_s(causal):
+    q, k, v = (t.bfloat16() for t in draw_inputs(seed=3, shape=(1, 2, 40, 16), scale=2.0))
+    exact = exact_attention(q, k, v, causal)[0]
+    p = torch.softmax(_scores(q, k, causal), -1)
+    # P, then O, rounded to nearest bfloat16 as a kernel rounds them: within the bound without float32's share.
+    rounded = ((p.bfloat16().double() @ v.double()).bfloat16().double() - exact).abs()
+    assert (rounded <= output_tolerance(q, k, v, causal) - FLOAT32_TOLERANCE).all()
+    launcher = {"BLOCK_M": 32, "BLOCK_N": 32}  # what the checks cell takes from the launcher's cell
+    namespace = {"torch": torch, "F": torch.nn.functional, "math": math, "device": torch.device("cpu"), **launcher}
+    exec(_solution_cells(joined=False)["checks"], namespace)
+    assert namespace["TOLERANCE"] == FLOAT32_TOLERANCE and namespace["BF16_ROUNDOFF"] == BF16_ROUNDOFF == 2**-8
+    torch.testing.assert_close(namespace["tolerance"](q, k, v, causal), output_tolerance(q, k, v, causal))
+    assert namespace["tolerance"](q.float(), k.float(), v.float(), causal) == FLOAT32_TOLERANCE
+
+
+def _scores(q, k, causal):
+    scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.size(-1))
+    future = torch.ones(q.size(-2), q.size(-2), dtype=torch.bool).triu(1)
+    return scores.masked_fill(future, float("-inf")) if causal else scores
+
+
+@pytest.mark.slow
+def test_bfloat16_scores_fail_the_tolerance_and_v_cast_up_fails_on_its_operands_only():
+    child = triton_lab._kernel_child({"course": COURSE})
+    try:
+        kernels = {"solution": COURSE["flash_kernel"], "scores": SQUARE_TILES_KERNEL, "v up": NO_SKIP_KERNEL}
+        cases = triton_lab._drawn(BF16_CASES, "bfloat16")
+        verdicts = {
+            name: triton_lab._bf16_verdict(child, kernel_definitions(kernel, STUB), cases)
+            for name, kernel in kernels.items()
+        }
+    finally:
+        child.close()
+    assert verdicts["solution"].status == "pass", verdicts["solution"]
+    scores, v_up = verdicts["scores"], verdicts["v up"]
+    assert scores.status == "fail" and "times the bfloat16 tolerance" in scores.reasons[0], scores
+    assert not any("tl.dot calls take" in reason for reason in scores.reasons), scores
+    assert v_up.status == "fail" and all("tl.dot calls take bf16 x bf16 and fp32 x fp32" in r for r in v_up.reasons)
+
+
+@pytest.mark.slow
+def test_the_bfloat16_kernel_multiplies_on_tensor_cores_and_the_float32_one_does_not(tmp_path):
+    source = tmp_path / "solution_kernel.py"  # Triton reads a kernel's source from its file
+    source.write_text(PRELUDE + kernel_definitions(COURSE["flash_kernel"], STUB))
+    spec = importlib.util.spec_from_file_location("solution_kernel", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel, reports = module.flash_forward_kernel, {}
+    for pointer, blocks in (("*bf16", 32), ("*bf16", 64), ("*fp32", 32)):
+        arguments = dict.fromkeys(("Q", "K", "V", "O"), pointer) | {"LSE": "*fp32", "seq_len": 4096, "scale": 0.125}
+        constexprs = {"HEAD_DIM": 64, "BLOCK_M": blocks, "BLOCK_N": blocks, "CAUSAL": True}
+        reports[pointer, blocks] = compile_for_gpu(kernel, arguments, constexprs)
+    # As the lab says: mma with 32 x 32 tiles, wgmma with 64 x 64, on bfloat16; neither on float32 with "ieee".
+    assert reports["*bf16", 32].count("mma") > 0 and reports["*bf16", 64].count("wgmma") > 0
+    assert reports["*fp32", 32].count("mma") == reports["*fp32", 32].count("wgmma") == 0
+
+
+def _solution_cells(joined: bool = True) -> dict[str, str]:
+    """The solution notebook's cells, markdown included: grade_id -> source, where ``joined`` runs of white space made
+    one space."""
     notebook = nbformat.read(REPO / "solutions/lab10_flash_triton/lab10_flash_triton.ipynb", as_version=4)
     return {
-        cell.metadata["nbgrader"]["grade_id"]: " ".join(cell.source.split())
+        cell.metadata["nbgrader"]["grade_id"]: " ".join(cell.source.split()) if joined else cell.source
         for cell in notebook.cells
         if "nbgrader" in cell.metadata
     }
@@ -216,7 +299,29 @@ def test_the_lab_s_text_and_visible_checks_state_the_grader_s_numbers():
     assert "assert ratio <= SKIP_LIMIT" in cells["test_backward_skip"]
     assert "assert SKIP_RATIO[0] < ratio < SKIP_RATIO[1]" in cells["test_causal_skip"]
     assert "dot_calls(causal, SKIP_LENGTH)" in cells["test_causal_skip"]
+    # The bfloat16 tolerance, as the text derives it and the grader applies it.
+    assert BF16_ROUNDOFF == 2**-8 and FLOAT32_TOLERANCE == 1e-4
+    assert "`|O - exact| <= 2 * 2**-8 * attention(q, k, |v|) + 1e-4`" in cells["part1"]
+    assert "from perflab.grading.triton_lab import BF16_ROUNDOFF, FLOAT32_TOLERANCE as TOLERANCE" in cells["checks"]
+    # No figure of the grader's typed by hand in the checks' code (comments dropped, line by line).
+    code = {
+        grade_id: "\n".join(line.split("#")[0] for line in source.splitlines())
+        for grade_id, source in _solution_cells(joined=False).items()
+    }
+    assert "1e-4" not in code["checks"] and "2**-8" not in code["checks"], "the checks take the grader's tolerances"
     for grade_id in ("test_causal_skip", "test_backward_memory", "test_backward_skip"):
         for typed in ("0.8", "0.65", "256", "4096", "128 * 128", "32 * "):
-            code = "\n".join(line.split("#")[0] for line in cells[grade_id].splitlines())
-            assert typed not in code, (grade_id, typed)
+            assert typed not in code[grade_id], (grade_id, typed)
+
+
+def test_each_part_states_the_points_of_its_graded_cells():
+    notebook = nbformat.read(REPO / "solutions/lab10_flash_triton/lab10_flash_triton.ipynb", as_version=4)
+    stated, counted, part = {}, {}, None
+    for cell in notebook.cells:
+        heading = re.match(r"## (Part \d+) .*\((\d+) points", cell.source) if cell.cell_type == "markdown" else None
+        if heading:
+            part, stated[heading.group(1)] = heading.group(1), int(heading.group(2))
+        grading = cell.metadata.get("nbgrader", {})
+        if part and grading.get("grade"):
+            counted[part] = counted.get(part, 0) + grading["points"]
+    assert stated == counted and len(stated) == 3, (stated, counted)

@@ -1,4 +1,5 @@
-"""perflab.triton_runtime: how Triton runs here, and what its compiler says about a kernel for a GPU not here."""
+"""perflab.triton_runtime: how Triton runs here, and what its compiler says about a kernel for a GPU not here; and
+perflab.triton_interpreter: the interpreter's fixes, each given only where a kernel run shows it missing."""
 
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def test_the_course_runs_kernels_interpreted_only_once_one_has_run_so(monkeypatc
 
 
 # A kernel that walks a row in blocks up to a runtime length, as the course's softmax, matmul and attention do, run
-# under TRITON_INTERPRET=1 in a fresh process: before patch_interpreter, then after it.
+# under TRITON_INTERPRET=1 in a fresh process: before patch_interpreter, then after it (twice).
 LOOP_TO_RUNTIME_BOUND = """
 import json, os
 os.environ["TRITON_INTERPRET"] = "1"
 import torch, triton
 import triton.language as tl
 from perflab import torch_features
-from perflab.triton_runtime import patch_interpreter
+from perflab.triton_interpreter import patch_interpreter
 
 
 @triton.jit
@@ -77,7 +78,8 @@ def run():
 
 
 shipped = run()
-print(json.dumps([torch_features.has("interpreter_runtime_loop_bounds"), shipped, patch_interpreter(), run()]))
+has_feature = torch_features.has("interpreter_runtime_loop_bounds")
+print(json.dumps([has_feature, shipped, patch_interpreter(), run(), patch_interpreter()]))
 """
 
 
@@ -86,10 +88,85 @@ def test_the_interpreter_loops_to_a_runtime_bound_patched_only_where_its_triton_
     script.write_text(LOOP_TO_RUNTIME_BOUND)
     child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-2000:]
-    has_feature, shipped, patched, after = json.loads(child.stdout.strip().splitlines()[-1])
+    has_feature, shipped, patched, after, again = json.loads(child.stdout.strip().splitlines()[-1])
     assert has_feature is (shipped == 4950.0), f"the feature says {has_feature}, the interpreter as shipped: {shipped}"
-    assert patched is not has_feature, "patched where, and only where, the interpreter lacked the fix"
+    assert ("runtime loop bounds" in patched) is not has_feature, "patched where, and only where, it lacked the fix"
     assert after == 4950.0, f"after patch_interpreter the kernel gave {after}"
+    assert again == [], f"each fix is given once, not again: {again}"
+
+
+# A bfloat16 tl.dot and a cast to bfloat16 under TRITON_INTERPRET=1, in a fresh process, against torch's float32 product
+# of the bfloat16 values and its rounding to nearest even: as shipped; beside a tl.dot fixed as Triton's pull request
+# 11585 would have it (a Triton that fixed one fault, not the other); with the shipped tl.dot back.
+BFLOAT16_KERNEL = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch, triton
+import triton.language as tl
+from triton.runtime import interpreter
+from perflab.triton_interpreter import interpreter_computes_bfloat16, patch_interpreter
+
+
+@triton.jit
+def dot_and_round(a_ptr, b_ptr, product_ptr, rounded_ptr, N: tl.constexpr):
+    rows = tl.arange(0, N)
+    square = rows[:, None] * N + rows[None, :]
+    tl.store(product_ptr + square, tl.dot(tl.load(a_ptr + square), tl.load(b_ptr + square)))
+    tl.store(rounded_ptr + square, tl.load(product_ptr + square).to(tl.bfloat16))
+
+
+def errors():
+    a, b = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    product, rounded = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    dot_and_round[(1,)](a, b, product, rounded, N=16)
+    exact = a.double() @ b.double()
+    return [(product.double() - exact).abs().max().item(), torch.equal(rounded, product.bfloat16())]
+
+
+def bfloat16_fixes():
+    return [fix for fix in patch_interpreter() if fix.startswith("bfloat16")]
+
+
+def values(handle):  # a bfloat16 operand's bits made its float32 value, as pull request 11585 did
+    if handle.data.dtype != np.uint16:
+        return handle
+    return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+
+builder = interpreter.InterpreterBuilder
+shipped_dot = builder.create_dot
+shipped = [interpreter_computes_bfloat16(), *errors()]
+builder.create_dot = triton_fixed = lambda self, a, b, *rest: shipped_dot(self, values(a), values(b), *rest)
+partial = [bfloat16_fixes(), builder.create_dot is triton_fixed, *errors()]
+builder.create_dot = shipped_dot
+fixed = [bfloat16_fixes(), interpreter_computes_bfloat16(), *errors(), bfloat16_fixes()]
+# A bfloat16 held as the value of a 16-bit float, not as the uint16 of its bits, goes to tl.dot as it is.
+as_value = interpreter.TensorHandle(np.full((16, 16), 1.5, np.float16), tl.bfloat16)
+zero = interpreter.TensorHandle(np.zeros((16, 16), np.float32), tl.float32)
+held = builder.create_dot(interpreter.interpreter_builder, as_value, as_value, zero, None, 0).data[0, 0].item()
+print(json.dumps([shipped, partial, fixed, held]))
+"""
+
+
+def test_the_interpreter_multiplies_bfloat16_values_and_rounds_to_nearest_each_fixed_only_where_wrong(tmp_path):
+    script = tmp_path / "bfloat16.py"
+    script.write_text(BFLOAT16_KERNEL)
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    shipped, partial, fixed, held = json.loads(child.stdout.strip().splitlines()[-1])
+    computed_shipped, error_shipped, rounds_shipped = shipped
+    dot_right = error_shipped < 1e-4
+    assert computed_shipped is (dot_right and rounds_shipped), shipped
+    # Beside a Triton's own tl.dot fix: only the rounding is given (where it is wrong), and Triton's tl.dot is kept.
+    given, kept, error, rounds = partial
+    assert given == ([] if rounds_shipped else ["bfloat16 rounding"]) and kept, partial
+    assert error < 1e-5 and rounds, partial
+    # The shipped tl.dot back: its fix is given where it is wrong, once. 16 products of bfloat16 numbers, each exact in
+    # float32, summed in float32; rounded as torch rounds.
+    given, computes, error, rounds, again = fixed
+    assert given == ([] if dot_right else ["bfloat16 tl.dot"]) and again == [], fixed
+    assert computes and error < 1e-5 and rounds, fixed
+    assert held == 16 * 1.5 * 1.5, "a bfloat16 held as its value was taken for bits"
 
 
 def test_the_mode_says_why():

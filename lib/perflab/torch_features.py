@@ -19,7 +19,7 @@ older one where it does not; where only a newer torch can do a thing, a cell cal
 :func:`require`, which prints one line saying what it needs and which torch the learner has,
 and the lecture goes on.
 
-Used in: lectures 05, 09 and lab 09; by perflab.doctor, perflab.sharding and perflab.triton_runtime.
+Used in: lectures 05, 09 and lab 09; by perflab.doctor, perflab.sharding and perflab.triton_interpreter.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _c10d_has_single_collectives() -> bool:
 
 
 def _interpreter_loops_to_runtime_bounds() -> bool:
-    from perflab.triton_runtime import interpreter_loops_to_runtime_bounds
+    from perflab.triton_interpreter import interpreter_loops_to_runtime_bounds
 
     return interpreter_loops_to_runtime_bounds()
 
@@ -159,7 +159,7 @@ FEATURES: tuple[Feature, ...] = (
         "triton 3.7's interpreter: a loop to a kernel's runtime argument, range(0, n, BLOCK), under NumPy >= 2.4",
         "2.12",
         "lecture 10 and lab 10 (and its grader): every kernel that loops over a row or a sequence, without a GPU",
-        "perflab.triton_runtime.patch_interpreter gives the interpreter triton 3.7's fix, and the kernels run as written",
+        "perflab.triton_interpreter.patch_interpreter gives the interpreter triton 3.7's fix, and the kernels run as written",
         _interpreter_loops_to_runtime_bounds,
     ),
     Feature(

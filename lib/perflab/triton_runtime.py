@@ -17,7 +17,8 @@ Under ``TRITON_INTERPRET=1`` (read when a kernel is decorated, so set it first) 
 returns an ``InterpretedFunction``: each program of the grid runs one after the other on the CPU,
 every ``tl`` operation as NumPy on the whole block (``triton/runtime/interpreter.py``). It checks
 what a kernel computes and where it reads; it says nothing about speed, shared memory, occupancy,
-bank conflicts or register spills, which only the compiler and the GPU decide.
+bank conflicts or register spills, which only the compiler and the GPU decide. The fixes the course's
+kernels need of it are :mod:`perflab.triton_interpreter`'s.
 
 The compiler runs without a GPU: ``triton.compile`` lowers a kernel to Triton IR, TritonGPU IR,
 LLVM IR, PTX and, with the ``ptxas`` shipped in Triton's wheel, a cubin for an NVIDIA target
@@ -25,13 +26,12 @@ LLVM IR, PTX and, with the ``ptxas`` shipped in Triton's wheel, a cubin for an N
 (an H100 or H200) unless told otherwise, even while the interpreter is on, and runs ``ptxas -v`` on
 the PTX for the registers and spills it reports.
 
-Used in: lecture 10 (triton), lab 10.
+Used in: lecture 10 (triton).
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import json
 import os
@@ -61,8 +61,6 @@ __all__ = [
     "TritonMode",
     "compile_for_gpu",
     "course_triton_mode",
-    "interpreter_loops_to_runtime_bounds",
-    "patch_interpreter",
     "scale_kernel",
     "triton_mode",
 ]
@@ -132,7 +130,8 @@ _INTERPRETER_CHILD = """
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import torch, triton
-from perflab.triton_runtime import interpreter_loops_to_runtime_bounds, patch_interpreter, scale_kernel
+from perflab.triton_interpreter import interpreter_loops_to_runtime_bounds, patch_interpreter
+from perflab.triton_runtime import scale_kernel
 patch_interpreter()
 x = torch.arange(10.0)
 out = torch.empty_like(x)
@@ -165,56 +164,6 @@ def scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):  # noqa: N803 (
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * scale, mask=mask)
-
-
-def _loop_kernel(out_ptr, n):
-    """``out[i] = i`` for ``i < n``: a loop to a runtime argument, as every course kernel that walks a row has."""
-    for i in range(n):
-        tl.store(out_ptr + i, i)
-
-
-def interpreter_loops_to_runtime_bounds() -> bool:
-    """Whether Triton's interpreter here runs a loop to a kernel's runtime argument (``range(0, n, BLOCK)``).
-
-    Triton 3.6's (torch 2.11's) holds a scalar argument as a 1-element NumPy array and makes it a Python int
-    with ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
-    scalars"); triton 3.7 squeezes the array first (https://github.com/triton-lang/triton/issues/9171).
-    Runs a kernel through the interpreter in this process, whatever ``TRITON_INTERPRET`` says.
-    """
-    from triton.runtime.errors import InterpreterError
-    from triton.runtime.interpreter import InterpretedFunction
-
-    out = torch.full((3,), -1, dtype=torch.int32)
-    try:
-        InterpretedFunction(_loop_kernel)[(1,)](out, 3)
-    except InterpreterError:
-        return False
-    return out.tolist() == [0, 1, 2]
-
-
-def patch_interpreter() -> bool:
-    """Give this process's Triton interpreter triton 3.7's fix for loops to a runtime argument where it lacks it.
-
-    True where it had to (``perflab.torch_features``' "interpreter_runtime_loop_bounds" is missing): then
-    ``__index__`` of an interpreted scalar squeezes its 1-element array before ``int()``, as triton 3.7 does,
-    and the course's kernels run as written. Nothing else of the interpreter changes; a GPU never uses it.
-    """
-    from perflab import torch_features
-
-    if tl is None or torch_features.has("interpreter_runtime_loop_bounds"):
-        return False
-    from triton.runtime import interpreter
-
-    shipped = interpreter._patch_lang_tensor  # called on every launch: patches tl.tensor for the run, then restores
-    if not hasattr(shipped, "__wrapped__"):
-
-        @functools.wraps(shipped)
-        def patch_lang_tensor(tensor, scope):
-            shipped(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        interpreter._patch_lang_tensor = patch_lang_tensor
-    return True
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ CHECKED_CELLS = {
         "test_forward",
         "test_lse",
         "test_causal_skip",
+        "test_forward_bf16",
         "test_backward",
         "test_backward_memory",
         "test_backward_skip",

@@ -1,7 +1,7 @@
 """Lab 10 (FlashAttention-2 in Triton), decided outside the learner's kernel: the kernel as data, run by the course.
 
     grade_lab10(cells)   # cells: {"course": {grade_id: source}, "learner": {grade_id: source}}
-    # {'test_forward': Verdict(pass: ...), ..., 'test_backward_skip': Verdict(pass: ...)}
+    # {'test_forward': Verdict(pass: ...), ..., 'test_forward_bf16': Verdict(pass: ...), ...}
 
 The kernel's answer cell is parsed, never run: only its ``@triton.jit`` definitions are kept, and
 only when nothing of them runs when they are defined (no other decorator, no default, no
@@ -27,13 +27,16 @@ annotation but ``tl.constexpr``, no return annotation) and the kernel's signatur
 
 Those definitions then go, with only ``triton`` and ``triton.language`` beside them, to two
 sandboxed processes: a Python that imports only Triton and runs its frontend on them for a CUDA
-target, for every head dimension, block sizes and causal flag graded (Triton refuses anything that is not
-Triton, a call to torch included; no GPU is needed), then, if it accepts them, a child that runs
+target, for every input type, head dimension, block sizes and causal flag graded (Triton refuses anything that is
+not Triton, a call to torch included; no GPU is needed: :mod:`perflab.grading.triton_lab_frontend`), then, if it
+accepts them, a child that runs
 them under Triton's interpreter (``TRITON_INTERPRET=1``) through the course's own launcher, with
-several block sizes, on inputs drawn from seeds chosen here; it counts the tiles they compute
-(``tl.dot`` calls) and every address they read or write outside the launch's tensors
-(:mod:`perflab.grading.triton_lab_launch`). Outputs and log-sum-exps come back as raw bytes and
-are compared here with SDPA and ``torch.logsumexp`` in float64. The learner's backward is checked
+several block sizes, on float32 inputs drawn from seeds chosen here, then on bfloat16 ones; it counts the tiles
+they compute (``tl.dot`` calls), notes their operands' types, and records every address they read or write outside
+the launch's tensors (:mod:`perflab.grading.triton_lab_launch`). Outputs and log-sum-exps come back as raw bytes and
+are compared here with SDPA and ``torch.logsumexp`` in float64, on the inputs the kernel had (rounded to bfloat16
+for the bfloat16 cases), to ``output_tolerance``. The bfloat16 cases decide one cell of their own: a kernel
+right in float32 only loses that one when it does not take bfloat16. The learner's backward is checked
 beside them, in a third child (:mod:`perflab.grading.triton_lab_backward`). Nothing here needs a
 quiet machine: the one figure read from a clock, the backward's CPU time causal against not, is a ratio
 with a wide margin to its bound.
@@ -44,20 +47,12 @@ Used in: lab 10. Used by perflab.grading.session.
 from __future__ import annotations
 
 import ast
-import json
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from perflab.grading.child import AnswerProcess, ChildError
 from perflab.grading.code_labs import grader_seeds
-from perflab.grading.sandbox import require_sandbox, sandbox_command
 from perflab.grading.triton_lab_backward import (
     CHILD_TIMEOUT_S,
     backward_verdicts,
@@ -66,17 +61,21 @@ from perflab.grading.triton_lab_backward import (
     tensors_from_bytes,
     timeout_verdict,
 )
-from perflab.grading.triton_lab_launch import PRELUDE
+from perflab.grading.triton_lab_frontend import frontend_refusals
 from perflab.grading.verdict import Verdict
 
 __all__ = [
+    "BF16_CASES",
+    "BF16_ROUNDOFF",
     "COURSE_BLOCKS",
+    "FLOAT32_TOLERANCE",
     "FORWARD_CASES",
     "KernelRefused",
     "SKIP_LENGTH",
     "SKIP_RATIO",
     "grade_lab10",
     "kernel_definitions",
+    "output_tolerance",
 ]
 
 KERNEL = "flash_forward_kernel"
@@ -96,8 +95,40 @@ FORWARD_CASES = (
     (1, 1, 70, 32, False, 1.0, (16, 64)),
     (1, 1, 130, 32, True, 1.0, (64, 16)),
 )
+# The same on bfloat16 inputs, fewer and small: lengths that are not multiples of the blocks, causal and not, tiles
+# square and not, and scores in the hundreds, where scores rounded to bfloat16 before the softmax are off by up to
+# half a unit (bfloat16's numbers from 128 to 256 are 1 apart).
+BF16_CASES = (
+    (1, 2, 100, 32, True, 1.0, COURSE_BLOCKS),
+    (1, 1, 130, 64, False, 1.0, (64, 16)),
+    (1, 2, 70, 16, True, 6.0, COURSE_BLOCKS),
+)
 SKIP_LENGTH = 256  # causal against non-causal at one head of this length: 36 of 64 tiles of 32 (0.5625)
 SKIP_RATIO = (0.4, 0.65)
+FLOAT32_TOLERANCE = 1e-4  # the largest |O - exact| allowed on float32 inputs, and |LSE - exact| (beside rtol 1e-5)
+BF16_ROUNDOFF = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding to nearest is off by at most 2**-8 relative
+
+
+def output_tolerance(q, k, v, causal: bool):
+    """The largest ``|O - exact|`` allowed, element by element, where ``exact`` is the attention of ``q``, ``k``, ``v``
+    (as the kernel had them) in float64.
+
+    Float32 inputs: ``FLOAT32_TOLERANCE``. Bfloat16 inputs, with the scores, the running maximum and sum and the output
+    accumulated in float32, add two roundings to bfloat16, each at most ``BF16_ROUNDOFF`` relative: each weight of P
+    before ``tl.dot(p, v)``, which moves ``O[i, d] = sum_j P[i, j] V[j, d]`` by at most ``BF16_ROUNDOFF`` times
+    ``sum_j P[i, j] |V[j, d]|``, the attention of ``|v|``; and O itself when it is stored, at most ``BF16_ROUNDOFF``
+    times ``|O[i, d]|``, which is no larger. The products of ``tl.dot`` on bfloat16 operands are exact in float32.
+
+        >>> q, k, v = torch.randn(3, 1, 1, 5, 4).bfloat16()
+        >>> bound = output_tolerance(q, k, v, causal=True)
+        >>> bound.shape, bool((bound > FLOAT32_TOLERANCE).all())
+        (torch.Size([1, 1, 5, 4]), True)
+        >>> output_tolerance(q.float(), k.float(), v.float(), causal=True)
+        0.0001
+    """
+    if q.dtype != torch.bfloat16:
+        return FLOAT32_TOLERANCE
+    return 2 * BF16_ROUNDOFF * exact_attention(q, k, v.abs(), causal)[0] + FLOAT32_TOLERANCE
 
 
 class KernelRefused(ValueError):
@@ -156,73 +187,6 @@ def kernel_definitions(learner_cell: str, course_cell: str, name: str = KERNEL) 
     )
 
 
-# Run with `python -I -S` in the sandbox, beside the kernel's file: Triton's frontend, for a CUDA target, on each
-# configuration. It imports Triton alone (no torch: a tenth of a second), and needs no GPU.
-_FRONTEND = """
-import json, sys
-sys.path[:] = json.loads(sys.argv[1])
-import importlib.util
-import triton
-from triton._C.libtriton import ir
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import make_backend
-
-spec = importlib.util.spec_from_file_location("learner_kernel", "learner_kernel.py")
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-kernel = getattr(module, sys.argv[2])
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-options = backend.parse_options({})
-for signature, constexprs in json.loads(sys.argv[3]):
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    try:
-        source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-    except Exception as error:
-        print(f"Triton does not compile it with {constexprs}: {type(error).__name__}: {str(error)[-1500:]}")
-        sys.exit(1)
-"""
-
-
-def _frontend_refusal(definitions: str, configurations: list) -> str | None:
-    """Why Triton's frontend refuses the kernel for one of ``configurations``, or None when it takes them all."""
-    folder = tempfile.mkdtemp(prefix="perflab-triton-")
-    try:
-        with open(os.path.join(folder, "learner_kernel.py"), "w") as file:
-            file.write(PRELUDE + definitions)
-        paths = [p for p in sys.path if p == sysconfig.get_paths()["stdlib"] or "-packages" in p or "dynload" in p]
-        command = [sys.executable, "-I", "-S", "-c", _FRONTEND, json.dumps(paths), KERNEL, json.dumps(configurations)]
-        env = {"TRITON_CACHE_DIR": os.path.join(folder, "cache")}
-        if require_sandbox():
-            command = sandbox_command(command, workdir=folder, env=env)
-        try:
-            done = subprocess.run(
-                command, cwd=folder, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env={**os.environ, **env}
-            )
-        except subprocess.TimeoutExpired:
-            return f"Triton's frontend did not finish within {CHILD_TIMEOUT_S} s"
-        if done.returncode != 0:
-            return (done.stdout.strip() or done.stderr.strip()[-1500:]) or f"it exited with {done.returncode}"
-        return None
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _configurations(cases) -> list:
-    """Every (signature, constexprs) that ``cases`` launch: each head dimension, block sizes and causal flag."""
-    pointers = dict.fromkeys(("Q", "K", "V", "O", "LSE"), "*fp32")
-    constexprs = dict.fromkeys(("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"), "constexpr")
-    signature = {**pointers, "seq_len": "i32", "scale": "fp32", **constexprs}
-    launched = sorted({(shape[3], blocks, causal) for _, shape, causal, _, blocks in cases})
-    return [
-        (signature, {"HEAD_DIM": dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal})
-        for dim, (block_m, block_n), causal in launched
-    ]
-
-
 # What the course's launcher needs, with Triton's interpreter on: the lab's own setup imports instruments it does not.
 _KERNEL_SETUP = """
 import math
@@ -242,52 +206,95 @@ def _kernel_child(cells: dict) -> AnswerProcess:
     )
 
 
-def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
-    graded_cells = ("test_forward", "test_lse", "test_causal_skip")
-    try:
-        definitions = kernel_definitions(cells["learner"].get("flash_kernel", ""), cells["course"]["flash_kernel"])
-    except KernelRefused as error:
-        return dict.fromkeys(graded_cells, Verdict.refused(str(error)))
-    graded = [
-        (grader_seeds.randrange(2**31), (b, h, t, d), causal, scale, blocks)
-        for b, h, t, d, causal, scale, blocks in FORWARD_CASES
+def _drawn(cases, dtype: str) -> list:
+    """Each case with a seed drawn now, as the child runs it: (seed, shape, causal, scale, blocks, dtype)."""
+    return [
+        (grader_seeds.randrange(2**31), (b, h, t, d), causal, scale, blocks, dtype)
+        for b, h, t, d, causal, scale, blocks in cases
     ]
-    skip_seed = grader_seeds.randrange(2**31)
-    skips = [(skip_seed, (1, 1, SKIP_LENGTH, 16), causal, 1.0, COURSE_BLOCKS) for causal in (False, True)]
-    refusal = _frontend_refusal(definitions, _configurations(graded + skips))
-    if refusal:
-        return dict.fromkeys(graded_cells, Verdict.refused(refusal))
-    try:
-        child = _kernel_child(cells)
-        try:
-            reports, payload, _ = child.call(
-                "lab10_forward", definitions=definitions, cases=graded + skips, timeout_s=CHILD_TIMEOUT_S
-            )
-        finally:
-            child.close()
-        shapes = [s for _, shape, *_ in graded + skips for s in (shape, shape[:-1])]
-        results = tensors_from_bytes(payload, shapes)
-    except ChildError as error:
-        return dict.fromkeys(graded_cells, timeout_verdict(error, CHILD_TIMEOUT_S))
+
+
+def _run(child: AnswerProcess, definitions: str, cases: list) -> tuple[list, list[torch.Tensor]]:
+    """The child's reports on ``cases`` and, for each, its O and LSE."""
+    reports, payload, _ = child.call("lab10_forward", definitions=definitions, cases=cases, timeout_s=CHILD_TIMEOUT_S)
+    return reports, tensors_from_bytes(payload, [s for _, shape, *_ in cases for s in (shape, shape[:-1])])
+
+
+def _wrong(cases: list, reports: list, results: list) -> tuple[list[str], list[str]]:
+    """What is wrong in each case's O (its values, tl.dot operands and accesses), and in its LSE."""
     wrong_out, wrong_lse = [], []
-    for index, ((seed, shape, causal, scale, blocks), report) in enumerate(zip(graded + skips, reports)):
-        want_out, want_lse = exact_attention(*draw_inputs(seed, shape, scale), causal)
+    for index, ((seed, shape, causal, scale, blocks, dtype), report) in enumerate(zip(cases, reports)):
+        q, k, v = (t.to(getattr(torch, dtype)) for t in draw_inputs(seed, shape, scale))
+        want_out, want_lse = exact_attention(q, k, v, causal)
         out, lse = results[2 * index : 2 * index + 2]
         name = f"{shape} causal={causal}" + (f" scores x{scale**2:g}" if scale != 1 else "")
         name += f" (BLOCK_M, BLOCK_N) = {tuple(blocks)}" if tuple(blocks) != COURSE_BLOCKS else ""
-        if not torch.allclose(out.double(), want_out, atol=1e-4, rtol=0) or not torch.isfinite(out).all():
-            wrong_out.append(f"{name}: O differs from SDPA's by {(out.double() - want_out).abs().max().item():.2e}")
+        error, tolerance = (out.double() - want_out).abs(), output_tolerance(q, k, v, causal)
+        if not (error <= tolerance).all():
+            wrong_out.append(f"{name}: O differs from SDPA's by {error.max().item():.2e}")
+            if dtype == "bfloat16":
+                wrong_out[-1] += f", up to {(error / tolerance).max().item():.1f} times the bfloat16 tolerance"
+        if dtype == "bfloat16" and report["operands"] != ["bf16 x bf16"]:
+            wrong_out.append(
+                f"{name}: the kernel's tl.dot calls take {' and '.join(report['operands']) or 'nothing'}: on "
+                "bfloat16 inputs both take bfloat16 operands, which tensor cores multiply (cast P with "
+                '.to(v.dtype)); float32 operands with input_precision="ieee" use no tensor core'
+            )
         wrong_out += [
             f"{name}: the kernel {access}; mask every tl.load and tl.store of rows or keys past seq_len"
             for access in report["outside"]
         ]
-        if not torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=1e-5):
+        if not torch.allclose(lse.double(), want_lse, atol=FLOAT32_TOLERANCE, rtol=1e-5):
             wrong_lse.append(
                 f"{name}: LSE differs from logsumexp's by {(lse.double() - want_lse).abs().max().item():.2e}"
             )
+    return wrong_out, wrong_lse
+
+
+def _bf16_verdict(child: AnswerProcess, definitions: str, cases: list) -> Verdict:
+    """The kernel on bfloat16 ``cases``: O to ``output_tolerance``, LSE as in float32, every tl.dot on bfloat16."""
+    try:
+        wrong_out, wrong_lse = _wrong(cases, *_run(child, definitions, cases))
+    except ChildError as error:
+        return timeout_verdict(error, CHILD_TIMEOUT_S)
+    lengths = sorted({shape[2] for _, shape, *_ in cases})
+    return Verdict.decide(
+        f"O and LSE of the kernel on bfloat16 inputs under the interpreter against SDPA and torch.logsumexp on the "
+        f"same inputs: {len(cases)} shapes (T from {lengths[0]} to {lengths[-1]}, causal and not, scores in the "
+        f"hundreds) on fresh inputs; O to 2 x {BF16_ROUNDOFF:g} x the attention of |v| + {FLOAT32_TOLERANCE:g}, "
+        "LSE as in float32, both tl.dot calls on bfloat16 operands, every address read or written checked",
+        (wrong_out + wrong_lse)[:3],
+    )
+
+
+def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
+    graded_cells = ("test_forward", "test_lse", "test_causal_skip", "test_forward_bf16")
+    try:
+        definitions = kernel_definitions(cells["learner"].get("flash_kernel", ""), cells["course"]["flash_kernel"])
+    except KernelRefused as error:
+        return dict.fromkeys(graded_cells, Verdict.refused(str(error)))
+    graded = _drawn(FORWARD_CASES, "float32")
+    skip_seed = grader_seeds.randrange(2**31)
+    skips = [(skip_seed, (1, 1, SKIP_LENGTH, 16), causal, 1.0, COURSE_BLOCKS, "float32") for causal in (False, True)]
+    bf16_cases = _drawn(BF16_CASES, "bfloat16")
+    refusals = frontend_refusals(definitions, graded + skips + bf16_cases, KERNEL)
+    if "float32" in refusals:
+        return dict.fromkeys(graded_cells, Verdict.refused(refusals["float32"]))
+    try:
+        child = _kernel_child(cells)
+        try:
+            reports, results = _run(child, definitions, graded + skips)
+            # A kernel right in float32 that Triton refuses on bfloat16 inputs loses this cell only.
+            refused = "bfloat16" in refusals
+            bf16 = Verdict.refused(refusals["bfloat16"]) if refused else _bf16_verdict(child, definitions, bf16_cases)
+        finally:
+            child.close()
+    except ChildError as error:
+        return dict.fromkeys(graded_cells, timeout_verdict(error, CHILD_TIMEOUT_S))
+    wrong_out, wrong_lse = _wrong(graded + skips, reports, results)
     cases = (
         f"{len(graded)} shapes (head dims 16-64, T from 1 to 130, causal and not, (BLOCK_M, BLOCK_N) of "
-        f"{', '.join(map(str, sorted({tuple(blocks) for *_, blocks in graded})))}) on fresh inputs, every address "
+        f"{', '.join(map(str, sorted({tuple(blocks) for *_, blocks, _ in graded})))}) on fresh inputs, every address "
         "read or written checked"
     )
     non_causal, causal = (report["dots"] for report in reports[-2:])
@@ -304,6 +311,7 @@ def _forward_verdicts(cells: dict) -> dict[str, Verdict]:
         "test_causal_skip": Verdict.decide(
             f"tl.dot calls at T = {SKIP_LENGTH}: {non_causal} non-causal, {causal} causal ({ratio:.2f})", skip_failures
         ),
+        "test_forward_bf16": bf16,
     }
 
 

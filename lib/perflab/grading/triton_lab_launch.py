@@ -17,8 +17,9 @@ rows past ``T`` are never stored; the scores of keys past ``T`` are masked after
 returns garbage or faults. So the child replaces the interpreter's memory functions with an ``AccessChecker``, and
 each launch goes through ``CheckedKernel``: the launch's tensors are copied into one buffer with a gap around each,
 so that none ends where another begins, and every lane a mask leaves on that lies outside them is recorded, never
-performed, and reads NaN. The learner's kernel runs there as Triton only (Triton's frontend has compiled it first):
-it cannot reach these objects.
+performed, and reads NaN (a float32 one; a bfloat16 one reads its ``other``, as Triton's interpreter loads bfloat16 as
+``uint16``). The child counts each launch's ``tl.dot`` calls and notes their operands' types. The learner's kernel runs
+there as Triton only (Triton's frontend has compiled it first): it cannot reach these objects.
 
 Used by perflab.grading.triton_lab.
 """
@@ -36,7 +37,7 @@ from perflab.grading.triton_lab_backward import draw_inputs, tensors_as_bytes
 __all__ = ["AccessChecker", "CheckedKernel", "PRELUDE", "child_lab10_forward"]
 
 PRELUDE = "import triton\nimport triton.language as tl\n\n\n"
-_GAP = 1024  # elements between two of a launch's tensors in the grader's buffer: never read, only kept apart
+_GAP = 4096  # bytes between two of a launch's tensors in the grader's buffer: never read, only kept apart
 
 
 class AccessChecker:
@@ -110,11 +111,13 @@ class CheckedKernel:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             places = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
-            sizes = [args[i].numel() for i in places]
-            buffer = torch.empty(sum(sizes) + _GAP * (len(sizes) + 1), dtype=torch.float32)
+            # Bytes, rounded up to 16 so that each copy starts aligned, whatever the types of those before it.
+            sizes = [-(-args[i].numel() * args[i].element_size() // 16) * 16 for i in places]
+            buffer = torch.empty(sum(sizes) + _GAP * (len(sizes) + 1), dtype=torch.uint8)
             copies, start = list(args), _GAP
             for i, size in zip(places, sizes):
-                copies[i] = buffer[start : start + size].view(args[i].shape).copy_(args[i])
+                copy = buffer[start : start + size].view(args[i].dtype)[: args[i].numel()]
+                copies[i] = copy.view(args[i].shape).copy_(args[i])
                 start += size + _GAP
             self.checker.allow({self.names[i]: copies[i] for i in places})
             self.kernel[grid](*copies, **kwargs)
@@ -125,15 +128,16 @@ class CheckedKernel:
 
 
 def child_lab10_forward(namespace, payload, definitions, cases):
-    """Define the kernel beside ``triton`` and ``tl`` alone, then run the course's launcher on each case, checked;
-    the outputs and log-sum-exps, and for each case its ``tl.dot`` calls and its first accesses outside its tensors."""
+    """Define the kernel beside ``triton`` and ``tl`` alone, then run the course's launcher on each case, checked, on
+    inputs of the case's type; the outputs and log-sum-exps, and for each case its ``tl.dot`` calls, the types of
+    their operands and its first accesses outside its tensors."""
     import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from perflab.triton_runtime import patch_interpreter
+    from perflab.triton_interpreter import patch_interpreter
 
-    patch_interpreter()  # where this Triton's interpreter cannot loop to seq_len (triton 3.6 under NumPy 2.4)
+    patch_interpreter()  # a loop to seq_len (triton 3.6 under NumPy 2.4), and bfloat16's tl.dot and rounding
     filename = "<learner_kernel>"  # Triton reads a kernel's source through linecache
     source = PRELUDE + definitions
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
@@ -142,22 +146,29 @@ def child_lab10_forward(namespace, payload, definitions, cases):
     checker = AccessChecker(interpreter._interpreter)
     interpreter._interpreter = checker
     namespace["flash_forward_kernel"] = CheckedKernel(scope["flash_forward_kernel"], checker)
-    builder, dots = interpreter.interpreter_builder, []
+    builder, dots = interpreter.interpreter_builder, []  # each case's tl.dot calls: the types of their operands
     original_dot = builder.create_dot
 
-    def counted_dot(*args, **kwargs):
-        dots[-1] += 1
-        return original_dot(*args, **kwargs)
+    def counted_dot(a, b, *args, **kwargs):
+        dots[-1].append(f"{a.dtype} x {b.dtype}")
+        return original_dot(a, b, *args, **kwargs)
 
     builder.create_dot = counted_dot
     results, reports = [], []
     try:
-        for seed, shape, causal, scale, blocks in cases:
-            dots.append(0)
+        for seed, shape, causal, scale, blocks, dtype in cases:
+            dots.append([])
             checker.outside.clear()
-            out, lse = namespace["flash_forward"](*draw_inputs(seed, shape, scale), causal=causal, blocks=tuple(blocks))
+            inputs = [t.to(getattr(torch, dtype)) for t in draw_inputs(seed, shape, scale)]
+            out, lse = namespace["flash_forward"](*inputs, causal=causal, blocks=tuple(blocks))
             results += [out, lse]
-            reports.append({"dots": dots[-1], "outside": checker.outside[:1]})
+            reports.append(
+                {
+                    "dots": len(dots[-1]),
+                    "operands": sorted(set(dots[-1])),
+                    "outside": checker.outside[:1],
+                }
+            )
     finally:
         builder.create_dot = original_dot
         interpreter._interpreter = checker._memory
