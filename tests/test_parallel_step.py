@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
+import torch.nn.functional as F
+from perflab.memory import peak_memory
 from perflab.memory_budget import estimate_training_memory
 from perflab.models import GPT, GPTConfig
-from perflab.parallel_step import Layout, Transfer, estimate_layout
+from perflab.parallel_step import RECOMPUTE, SELECTIVE_SAVE, Layout, Transfer, estimate_layout
 from perflab.sharding import bus_factor, estimate_sharded_step
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
 WORKLOAD = dict(batch_size=2, seq_len=16)
@@ -64,14 +70,77 @@ def test_zero_over_data_parallel_ranks_agrees_with_the_sharding_estimate():
     assert estimate(dp=4, zero=1).sent("dp") == estimate(dp=4, zero=2).sent("dp")
 
 
-def test_checkpointing_keeps_block_inputs_and_repeats_the_forward_collectives_in_backward():
-    for sequence_parallel in (False, True):
+def keep_selective_save(ctx, op, *args, **kwargs):
+    """The selective policy estimate_layout counts: keep what SELECTIVE_SAVE names, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op.name() in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def measured_per_block(config, batch_size, seq_len, precision, recompute):
+    """What one block holds after forward, measured: what a forward leaves held with the blocks, less what it leaves
+    without them (the embeddings, the head, the loss), over the blocks."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx, targets = torch.randint(config.vocab_size, (2, batch_size, seq_len))
+    selective = dict(context_fn=functools.partial(create_selective_checkpoint_contexts, keep_selective_save))
+    options = {"full": {}, "selective": selective}.get(recompute)
+
+    def loss(blocks):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            x = model.token_embedding(idx) + model.position_embedding(torch.arange(seq_len))
+            for block in blocks:
+                x = block(x) if options is None else checkpoint(block, x, use_reentrant=False, **options)
+            logits = model.lm_head(model.ln_final(x))
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    held = []
+    for blocks in (model.blocks, ()):
+        with peak_memory() as meter:
+            kept = loss(blocks)  # alive to the end of the block, with what its graph holds
+        held.append(meter.held_bytes)
+        del kept
+    with_blocks, ends = held
+    assert (with_blocks - ends) % config.n_layer == 0
+    return (with_blocks - ends) // config.n_layer
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_a_block_holds_what_its_recomputation_keeps_to_the_byte_as_measured_on_the_cpu(recompute, precision):
+    shape = dict(batch_size=3, seq_len=24)
+    estimate = estimate_layout(CONFIG, Layout(), **shape, precision=precision, recompute=recompute)
+    assert estimate.block_activations == measured_per_block(CONFIG, **shape, precision=precision, recompute=recompute)
+
+
+def test_selective_recomputation_holds_between_none_and_full_and_divides_all_but_the_partial_sums_over_tp():
+    def per_block(recompute, **layout):
+        return estimate_layout(CONFIG, Layout(**layout), **WORKLOAD, recompute=recompute).block_activations
+
+    for layout in (dict(), dict(tp=2), dict(tp=2, sequence_parallel=True)):
+        assert per_block("full", **layout) < per_block("selective", **layout) < per_block("none", **layout)
+    activation = WORKLOAD["batch_size"] * WORKLOAD["seq_len"] * CONFIG.n_embd * 4
+    # proj's and down's outputs stay whole on every rank (partial sums), whatever the tp: 2 activations from tp 2 on
+    for tp in (2, 4):
+        assert per_block("selective", tp=tp) - 2 * activation == (per_block("selective") - 2 * activation - activation
+                                                                  ) // tp + activation  # fmt: skip
+    with pytest.raises(ValueError, match="recompute"):
+        estimate_layout(CONFIG, Layout(), **WORKLOAD, recompute="partial")
+
+
+def test_recomputation_issues_again_the_forward_collectives_up_to_down_s_input_and_selective_keeps_the_scatter():
+    L = CONFIG.n_layer
+    again = {
+        False: {"full": {"all-reduce": L}, "selective": {"all-reduce": L}},  # g after proj, not after down
+        True: {"full": {"all-gather": 2 * L, "reduce-scatter": L}, "selective": {"all-gather": 2 * L}},
+    }
+    for sequence_parallel, by_mode in again.items():
         layout = Layout(tp=2, sequence_parallel=sequence_parallel)
-        kept, recomputed = (estimate_layout(CONFIG, layout, **WORKLOAD, checkpointing=c) for c in (False, True))
-        assert recomputed.activations < kept.activations
-        blocks = 2 * CONFIG.n_layer  # the blocks' forward collectives: g's (or its reduce-scatter and all-gather)
-        for kind in ("all-gather", "reduce-scatter") if sequence_parallel else ("all-reduce",):
-            assert recomputed.count(kind, phase="backward") == kept.count(kind, phase="backward") + blocks
+        none = estimate_layout(CONFIG, layout, **WORKLOAD, microbatches=3)
+        for recompute, calls in by_mode.items():
+            recomputing = estimate_layout(CONFIG, layout, **WORKLOAD, microbatches=3, recompute=recompute)
+            for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+                assert recomputing.count(kind, phase="forward") == none.count(kind, phase="forward")
+                extra = recomputing.count(kind, phase="backward") - none.count(kind, phase="backward")
+                assert extra == 3 * calls.get(kind, 0), (sequence_parallel, recompute, kind)  # per micro-batch
 
 
 def test_pipeline_stages_hold_their_blocks_and_wait_for_the_bubble():

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 from perflab.models import GPT, GPTConfig
-from perflab.parallel_step import Layout
+from perflab.parallel_step import RECOMPUTE, Layout
 from perflab.step_time import DGX_H100, INFINIBAND_NDR, NVLINK_4, Cluster, Link, estimate_step_time
 from perflab.training_mfu import palm_flops_per_token
 
@@ -37,15 +37,28 @@ def test_each_group_crosses_the_link_of_the_ranks_it_spans_tensor_parallel_ranks
     assert links(Layout(dp=8, zero=3, replicate=2)) == {"dp": NVLINK_4, "replicate": INFINIBAND_NDR}
 
 
-def test_compute_is_palm_s_flops_at_the_datasheet_peak_and_checkpointing_adds_the_blocks_forward():
+def test_compute_is_palm_s_flops_at_the_datasheet_peak_full_recomputation_adds_the_blocks_forward_selective_none():
     model, tokens = GPT(CONFIG), WORKLOAD["global_batch"] * WORKLOAD["seq_len"]
     one = step(Layout())
     assert one.compute_s == pytest.approx(palm_flops_per_token(model) * tokens / PEAK)
     blocks = sum(p.numel() for p in model.blocks.parameters())
     again = (2 * blocks + 4 * CONFIG.n_layer * CONFIG.block_size * CONFIG.n_embd) * tokens / PEAK
-    assert step(Layout(), checkpointing=True).compute_s == pytest.approx(one.compute_s + again)
+    assert step(Layout(), recompute="full").compute_s == pytest.approx(one.compute_s + again)
+    # Selective recomputation runs again only LayerNorms, GELU, additions and casts: no FLOP PaLM counts
+    assert step(Layout(), recompute="selective").compute_s == one.compute_s
     assert step(Layout(dp=2)).compute_s == pytest.approx(one.compute_s / 2)  # spread over the GPUs
     assert one.groups == () and one.step_s == one.compute_s
+
+
+def test_recomputed_tensor_parallel_collectives_wait_too_selective_s_fewer_than_full_s_under_sequence_parallelism():
+    steps = {recompute: step(Layout(tp=2, sequence_parallel=True), recompute=recompute) for recompute in RECOMPUTE}
+    waits = [steps[recompute].exposed_s for recompute in ("none", "selective", "full")]
+    assert waits == sorted(waits) and len(set(waits)) == 3
+    # What each waits for more than none: the recomputed collectives' bus bytes over the link, nothing else
+    for recompute in ("selective", "full"):
+        (group,) = steps[recompute].groups
+        recomputed = steps[recompute].estimate.sent("tp") - steps["none"].estimate.sent("tp")
+        assert waits[RECOMPUTE.index(recompute)] - waits[0] == pytest.approx(recomputed / group.link.bytes_per_s)
 
 
 def test_tensor_parallel_collectives_wait_in_full_data_parallel_traffic_hides_behind_the_compute():

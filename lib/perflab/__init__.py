@@ -18,7 +18,7 @@ Instruments live in small modules, one concept each: ``device``, ``bench``, ``do
 ``profiling``, ``diagnose``, ``planted``, ``cpu_clock``, ``sm_activity``, ``annotation_cost`` (what a
 profiler's marks cost), ``native_logs`` (torch's log lines a learner need not read), ``memory``,
 ``memory_budget``, ``tradeoff``, ``floats``,
-``roofline`` (FLOPs, bytes, MFU), ``amp``, ``training_state``, ``compiling``, ``launches``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``pipeline_schedule``, ``attention``; the course's workloads in
+``roofline`` (FLOPs, bytes, MFU), ``amp``, ``training_state``, ``compiling``, ``launches``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``pipeline_schedule`` (drawn by ``pipeline_plots``), ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
 ``prefetch`` and ``allocator``; pictures in ``plots`` and ``report``; explorers in ``widgets``; the
 capstone's benchmark and grader in ``capstone``; grading outside the learner's kernel in ``grading``. The most used

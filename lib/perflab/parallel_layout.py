@@ -36,7 +36,7 @@ __all__ = ["MEMORY_HEADROOM", "LayoutTable", "layouts_for"]
 # The share of a GPU's memory a layout must leave free. The estimate counts the tensors a step keeps; a real step
 # also holds what it does not count: the CUDA context and the libraries' workspaces (cuBLAS, nccl's buffers), the
 # caching allocator's free blocks that are too small to reuse (fragmentation, lecture 05), the temporaries between
-# kept tensors (a matmul's output before its input is freed; under checkpointing, the block being recomputed).
+# kept tensors (a matmul's output before its input is freed; under recomputation, the block being recomputed).
 MEMORY_HEADROOM = 0.10
 _FLOAT32 = 4
 _GROUP_COLUMNS = (("tp", "tp"), ("dp", "dp"), ("replicate", "HSDP replicas"), ("pp", "pp sends"))
@@ -99,12 +99,13 @@ def layouts_for(
     global_batch: int,
     seq_len: int,
     precision: str = "bfloat16",
-    checkpointing: bool = False,
+    recompute: str = "none",
 ) -> LayoutTable:
     """Every dp x tp x pp layout of ``gpus`` GPUs of ``cluster`` (tp within a node, with SP; every ZeRO stage when
     dp > 1, and HSDP when the dp ranks span nodes) for ``global_batch`` sequences per step in micro-batches of one
-    sequence; the least estimated step time first."""
-    workload = dict(global_batch=global_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing)
+    sequence, each block recomputing as ``recompute`` says (:data:`perflab.parallel_step.RECOMPUTE`); the least
+    estimated step time first."""
+    workload = dict(global_batch=global_batch, seq_len=seq_len, precision=precision, recompute=recompute)
     layouts = _layouts(config, gpus, cluster.gpus_per_node, global_batch, seq_len)
     steps = sorted(
         (estimate_step_time(config, layout, cluster, **workload) for layout in layouts),
@@ -113,7 +114,8 @@ def layouts_for(
     parameters = estimate_layout(config, Layout(), batch_size=1, seq_len=seq_len).parameters // _FLOAT32
     description = (
         f"{parameters / 1e9:.2f} billion parameters, {global_batch} x {seq_len} tokens per step in micro-batches of "
-        f"one sequence, {precision}{', checkpointing' if checkpointing else ''}; {cluster.describe(gpus)} "
+        f"one sequence, {precision}, {'no' if recompute == 'none' else recompute} recomputation; "
+        f"{cluster.describe(gpus)} "
         f"({cluster.memory_per_gpu / 1e9:g} GB per GPU, {cluster.inside.name} inside a node, {cluster.across.name} "
         f"across); estimate per GPU: compute at the datasheet's {precision} peak, links at their datasheet bandwidth"
     )

@@ -15,11 +15,23 @@ and pipeline parallelism: one :class:`Transfer` per group, phase and kind, in bu
 
 Tensor parallelism (lecture 11's plan): per micro-batch and block, two all-reduces in forward and two in
 backward (Megatron-LM, arXiv:1909.08053, section 3), an all-gather and a reduce-scatter each under sequence
-parallelism, again in backward under checkpointing; the embedding's all-reduce; ``loss_parallel``'s three of a
-float per token; under sequence parallelism the LayerNorms' partial gradients, all-reduced in each micro-batch's
+parallelism; the embedding's all-reduce; ``loss_parallel``'s three of a float per token; under sequence
+parallelism the LayerNorms' partial gradients, all-reduced in each micro-batch's
 backward with data parallelism (as FSDP2 does), else at each of AdamW's three reads of a gradient (``lerp_`` and
 ``addcmul_``, single-tensor as on a CPU or foreach as on a GPU, ``torch/optim/adam.py``; ``fused=True`` reads it
 once). Activation collectives move 4 bytes an element in float32, 2 in bfloat16 (as Megatron-LM's do).
+
+Recomputation runs a block's forward again in backward, collectives included, but only up to the last tensor
+backward needs, ``down``'s input: non-reentrant ``checkpoint`` stops there (``early_stop``,
+``torch/utils/checkpoint.py``), so *g* after ``down`` is not issued again. Under ``"full"`` that is *g* after
+``proj`` (an all-reduce, or SP's reduce-scatter) and, under sequence parallelism, *f*'s all-gathers before ``qkv``
+and ``up``: per block one all-reduce, or two all-gathers and one reduce-scatter. Under ``"selective"`` the
+reduce-scatter's output is kept (:data:`perflab.parallel_step.SELECTIVE_SAVE`), the all-gathers are issued again:
+the gathered input is recomputed from this rank's share, as Megatron-LM does by design under sequence parallelism
+(``LinearWithGradAccumulationAndAsyncCommunication`` saves the share and all-gathers it again in backward,
+``megatron/core/tensor_parallel/layers.py``; Korthikanti et al., arXiv:2205.05198, section 4.2.2). Both modes are
+measured on two gloo ranks in lecture 11 (section 2), from gloo's own records: ``torch.profiler`` also records an
+operator that selective checkpointing answers from its cache, which never reaches gloo.
 
 Data parallelism: FSDP2 (``zero=3``, one unit per block and a root) gathers every unit in forward, every block in
 backward (the root stays gathered), and reduce-scatters every unit, per micro-batch: its defaults, which
@@ -86,24 +98,22 @@ class Transfer:
 
 
 def tensor_parallel_transfers(
-    config: GPTConfig, layout: Layout, blocks: int, tokens: int, element: int, microbatches: int, checkpointing: bool
+    config: GPTConfig, layout: Layout, blocks: int, tokens: int, element: int, microbatches: int, recompute: str
 ) -> tuple[Transfer, ...]:
     """The collectives of lecture 11's plan, per step: microbatches x (the blocks' and both ends'); ``tokens`` per
-    micro-batch, activations of ``element`` bytes."""
+    micro-batch, activations of ``element`` bytes; ``recompute`` one of :data:`perflab.parallel_step.RECOMPUTE`."""
     if layout.tp == 1:
         return ()
     m, activation, L = microbatches, tokens * config.n_embd * element, blocks
-    # Checkpointing recomputes each block's forward in backward, collectives included.
-    again = 2 * L if checkpointing else 0
-    if again and not layout.sequence_parallel:
-        recomputed = (Transfer("tp", "backward", "all-reduce", m * again, m * again * activation),)
-    elif again:
-        recomputed = tuple(
-            Transfer("tp", "backward", kind, m * again, m * again * activation)
-            for kind in ("all-gather", "reduce-scatter")
-        )
+    # What each block's recomputation issues again in backward, up to down's input (see the module's docstring): g
+    # after proj, but the reduce-scatter selective recomputation keeps, and under SP f's all-gathers before qkv and up
+    if recompute == "none":
+        again = {}
+    elif not layout.sequence_parallel:
+        again = {"all-reduce": L}
     else:
-        recomputed = ()
+        again = {"all-gather": 2 * L} | ({"reduce-scatter": L} if recompute == "full" else {})
+    recomputed = tuple(Transfer("tp", "backward", kind, m * n, m * n * activation) for kind, n in again.items())
     per_token = 3 * tokens * _FLOAT32  # loss_parallel: max, sum of exponentials, the target's logit
     norms = 2 * (2 * L + 1)  # LayerNorm weights and biases: partial gradients under SP
     if not layout.sequence_parallel:  # all-reduces: the embedding's and g's in forward, f's in backward

@@ -1,38 +1,56 @@
 """Pipeline schedules measured per rank: when each stage computed each microbatch, the bubble, the activations held.
 
     >>> from perflab.pipeline_schedule import PipelineRun, RankTimeline, StageWork
-    >>> from perflab.pipeline_schedule import bubble_fraction, microbatches_in_flight
-    >>> bubble_fraction(stages=2, microbatches=4)          # GPipe's (p - 1) / (m + p - 1)
-    0.2
-    >>> F, B = "forward", "backward"                       # one microbatch through two stages, in seconds
-    >>> first = RankTimeline(rank=0, stage=0, work=(StageWork(F, 0, 0.0, 1.0), StageWork(B, 0, 5.0, 7.0)))
-    >>> last = RankTimeline(rank=1, stage=1, work=(StageWork(F, 0, 1.5, 2.5), StageWork(B, 0, 2.5, 4.5)))
+    >>> from perflab.pipeline_schedule import bubble_fraction, microbatches_in_flight, point_to_point_sends
+    >>> bubble_fraction(ranks=2, microbatches=4), bubble_fraction(2, 4, stages_per_rank=2)   # (p-1)/(v m + p-1)
+    (0.2, 0.1111111111111111)
+    >>> F, B = "forward", "backward"                       # stage, kind, microbatch, start and end in seconds
+    >>> first = RankTimeline(rank=0, work=(StageWork(0, F, 0, 0.0, 1.0), StageWork(0, B, 0, 5.0, 7.0)), sends=1)
+    >>> last = RankTimeline(rank=1, work=(StageWork(1, F, 0, 1.5, 2.5), StageWork(1, B, 0, 2.5, 4.5)), sends=1)
     >>> run = PipelineRun("GPipe", microbatches=1, timelines=(first, last))
     >>> run                                                # stage 1 started late: a slow send, say
-    PipelineRun(GPipe, 2 stages x 1 microbatch: bubble 0.57 measured, 0.50 replayed, 0.50 by (p-1)/(m+p-1))
+    PipelineRun(GPipe, 2 ranks x 1 stage x 1 microbatch: bubble 0.57 measured, 0.50 replayed, 0.50 by (p-1)/(vm+p-1))
     >>> run.makespan_s, run.replayed_makespan_s
     (7.0, 6.0)
-    >>> microbatches_in_flight("GPipe", stages=4, microbatches=8, stage=0), microbatches_in_flight("1F1B", 4, 8, 0)
+    >>> microbatches_in_flight("GPipe", ranks=4, microbatches=8, rank=0), microbatches_in_flight("1F1B", 4, 8, 0)
     (8, 4)
+    >>> microbatches_in_flight("Interleaved1F1B", 2, 4, rank=0, stages_per_rank=2)   # forwards, counted per stage
+    5
+    >>> run.sends, point_to_point_sends(2, 1), point_to_point_sends(2, 1, stages_per_rank=2)   # 2 (p v - 1) m
+    (2, 2, 6)
 
 The bubble is the share of the step the ranks spend idle, 1 - (time computing, summed over the p
 ranks) / (p x the step's span). With m microbatches whose forward and backward take the same time on
 every stage, GPipe and 1F1B both leave (p - 1) / (m + p - 1) (Huang et al., 2019, "GPipe",
 arXiv:1811.06965, section 2.3; the HF Ultra-Scale Playbook's r_bubble = (p - 1) / m is the same idle
-time over the compute time, https://huggingface.co/spaces/nanotron/ultrascale-playbook). *Replayed*
-runs each rank's measured work with free communication: above it, the measured bubble is time spent
-sending and waking up; off the formula, it is work of unequal duration. GPipe holds m microbatches'
-activations on each stage; 1F1B at most p - s on stage s (torch's ``Schedule1F1B`` warms up with
-that many forwards).
+time over the compute time, https://huggingface.co/spaces/nanotron/ultrascale-playbook). The
+interleaved 1F1B schedule gives each rank v stages that are not adjacent (rank r holds stages r, r + p,
+...): each does 1/v of the rank's work per microbatch, so the fill and drain shrink v-fold, to
+(p - 1) / (v m + p - 1) of the step (Narayanan et al., 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", arXiv:2104.04473, section 2.2.2, writes (1/v) (p - 1) / m,
+idle over compute, as the Playbook's (p - 1) / (v m); it asks for m a multiple of p; torch's order,
+replayed, meets it for every m >= p the tests try). The price: 2 (p v - 1) sends per microbatch instead
+of 2 (p - 1), one per stage boundary and direction: v times as many on a rank inside the pipeline (the
+paper's "the amount of communication also increases by v"), (p v - 1) / (p - 1) times in all.
 
-``record_stage(stage)`` measures a ``torch.distributed.pipelining.PipelineStage`` during one
-``schedule.step``: it wraps the stage's ``forward_one_chunk`` and ``backward_one_chunk``, the calls in
-which a stage computes (the schedules wait for their sends and receives outside them), reads
-``time.perf_counter`` around each (on Linux one clock for every process of a machine), and counts
-the activations autograd holds before each backward, the moments they peak::
+*Replayed* runs each rank's measured work with free communication: above it, the measured bubble is time
+spent sending and waking up; off the formula, it is work of unequal duration. GPipe holds m
+microbatches' activations on each stage; 1F1B at most p - s on stage s (torch's ``Schedule1F1B`` warms
+up with that many forwards); interleaved 1F1B counts per stage, a microbatch forwarded on two of a rank's
+stages counting twice: torch's ``ScheduleInterleaved1F1B`` warms rank r up with (v - 1) k + 2 (p - 1 - r)
+forwards, k = m / max(1, m // p) microbatches per round, at most all v m of them, then runs each forward
+before its backward, so one more where forwards remain (``_get_warmup_ops``, ``_get_1f1b_rank_ops`` in
+``torch/distributed/pipelining/schedules.py``).
 
-    with record_stage(stage) as recording:
-        schedule.step(inputs)                   # or, on the last stage, schedule.step(target=targets)
+``record_stages(*stages)`` measures the ``torch.distributed.pipelining.PipelineStage`` objects of one rank
+during one ``schedule.step``: it wraps each stage's ``forward_one_chunk`` and ``backward_one_chunk``, the
+calls in which a stage computes (the schedules wait for their sends and receives outside them), reads
+``time.perf_counter`` around each (on Linux one clock for every process of a machine), counts the
+activations autograd holds before each backward, the moments they peak, and the tensors the stages
+hand to ``isend`` (``get_fwd_send_ops``, ``get_bwd_send_ops``)::
+
+    with record_stages(*stages) as recording:
+        schedule.step(inputs)                   # or, on the last stage's rank, schedule.step(target=targets)
     timeline = recording.timeline(rank=dist.get_rank())
 
 Used in: lecture 11.
@@ -43,15 +61,11 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-
 from perflab.memory import saved_tensors
-from perflab.render import Table, add_footer
+from perflab.render import Table
 
 __all__ = [
     "SCHEDULES",
@@ -59,37 +73,55 @@ __all__ = [
     "RankTimeline",
     "StageRecording",
     "StageWork",
-    "bubble_chart",
     "bubble_fraction",
     "median_run",
     "microbatches_in_flight",
-    "pipeline_timeline",
-    "record_stage",
+    "point_to_point_sends",
+    "record_stages",
 ]
 
-SCHEDULES = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
 _KINDS = ("forward", "backward")
-_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452"}
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """(p - 1) / (m + p - 1): the idle share of a step when every stage's work per microbatch takes the same time."""
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"stages and microbatches must be at least 1, got {stages} and {microbatches}")
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): the idle share of a step of p ranks, v stages each, every stage's work the same.
+
+    With v > 1 torch's interleaved order meets it from m = p microbatches on (the tests replay 2 to 4 ranks): with
+    fewer, a microbatch waits to come round to its rank's next stage, and the step idles more than this."""
+    if min(ranks, microbatches, stages_per_rank) < 1:
+        raise ValueError(f"ranks, microbatches and stages per rank must be at least 1, got {ranks}, {microbatches}, "
+                         f"{stages_per_rank}")  # fmt: skip
+    return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
 
 
-def microbatches_in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
-    """The most microbatches whose activations ``stage`` holds at once: m under GPipe, min(m, p - s) under 1F1B."""
+def microbatches_in_flight(schedule: str, ranks: int, microbatches: int, rank: int, stages_per_rank: int = 1) -> int:
+    """The most forwards ``rank`` holds whose backward has not run: m under GPipe, min(m, p - r) under 1F1B,
+    torch's warm-up plus one under interleaved 1F1B (counted per stage: v stages, v forwards per microbatch)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    return microbatches if schedule == "GPipe" else min(microbatches, stages - stage)
+    if schedule != "Interleaved1F1B" and stages_per_rank != 1:
+        raise ValueError(f"{schedule} runs one stage per rank, not {stages_per_rank}")
+    if schedule == "GPipe":
+        return microbatches
+    if schedule == "1F1B":
+        return min(microbatches, ranks - rank)
+    per_round = microbatches // max(1, microbatches // ranks)
+    warmup = (stages_per_rank - 1) * per_round + 2 * (ranks - 1 - rank)
+    return min(warmup + 1, stages_per_rank * microbatches)
+
+
+def point_to_point_sends(ranks: int, microbatches: int, stages_per_rank: int = 1) -> int:
+    """Tensors sent in a step: each microbatch's activation forward and its gradient back across every stage boundary,
+    2 (p v - 1) m with the p v stages placed round robin, so that every boundary lies between two ranks."""
+    return 2 * (ranks * stages_per_rank - 1) * microbatches
 
 
 @dataclass(frozen=True)
 class StageWork:
     """One forward or backward of one microbatch on one stage, from start to end (seconds on the machine's clock)."""
 
+    stage: int
     kind: str  # "forward" or "backward"
     microbatch: int
     start_s: float
@@ -102,16 +134,21 @@ class StageWork:
 
 @dataclass(frozen=True)
 class RankTimeline:
-    """What one rank's stage computed during a step, in order, and the most activation bytes it held."""
+    """What one rank's stages computed during a step, in order, the most activation bytes it held, what it sent."""
 
     rank: int
-    stage: int
     work: tuple[StageWork, ...]
     activation_peak: int = 0  # bytes autograd kept for backward at the most, parameters excluded
+    sends: int = 0  # tensors handed to isend: activations forward, gradients back
+    sent_bytes: int = 0
 
     def __post_init__(self) -> None:
         work = (StageWork(**w) if isinstance(w, dict) else w for w in self.work)
         object.__setattr__(self, "work", tuple(sorted(work, key=lambda w: w.start_s)))
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({w.stage for w in self.work}))
 
     @property
     def busy_s(self) -> float:
@@ -119,20 +156,25 @@ class RankTimeline:
 
     @property
     def max_in_flight(self) -> int:
-        """The most microbatches forwarded and not yet backwarded at once, counted off the timeline."""
+        """The most forwards not yet backwarded at once, counted off the timeline (per stage, as the schedules do)."""
+        return self.held_by_order(dict.fromkeys(self.stages, 1))
+
+    def held_by_order(self, unit: Mapping[int, int]) -> int:
+        """The most bytes held at once if each forward on stage s kept ``unit[s]`` until its backward, in this order."""
         held = most = 0
         for w in self.work:
-            held += 1 if w.kind == "forward" else -1
+            held += unit[w.stage] if w.kind == "forward" else -unit[w.stage]
             most = max(most, held)
         return most
 
-    def median_s(self, kind: str) -> float:
-        return statistics.median(w.duration_s for w in self.work if w.kind == kind)
+    def median_s(self, kind: str, stage: int | None = None) -> float:
+        """The median duration of this rank's forwards or backwards: on all of its stages, or on ``stage``."""
+        return statistics.median(w.duration_s for w in self.work if w.kind == kind and stage in (None, w.stage))
 
 
 @dataclass(frozen=True)
 class PipelineRun:
-    """One step of a schedule on p ranks, one stage each: the ranks' timelines, the bubble measured and expected."""
+    """One step of a schedule on p ranks, v stages each: the ranks' timelines, the bubble measured and expected."""
 
     schedule: str
     microbatches: int
@@ -141,11 +183,15 @@ class PipelineRun:
 
     def __post_init__(self) -> None:
         timelines = (RankTimeline(**t) if isinstance(t, dict) else t for t in self.timelines)
-        object.__setattr__(self, "timelines", tuple(sorted(timelines, key=lambda t: t.stage)))
+        object.__setattr__(self, "timelines", tuple(sorted(timelines, key=lambda t: t.rank)))
 
     @property
-    def stages(self) -> int:
+    def ranks(self) -> int:
         return len(self.timelines)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return len({w.stage for t in self.timelines for w in t.work}) // self.ranks
 
     @property
     def start_s(self) -> float:
@@ -161,31 +207,36 @@ class PipelineRun:
 
     @property
     def bubble(self) -> float:
-        return 1 - self.busy_s / (self.stages * self.makespan_s)
+        return 1 - self.busy_s / (self.ranks * self.makespan_s)
 
     @property
     def formula_bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches)
+        return bubble_fraction(self.ranks, self.microbatches, self.stages_per_rank)
+
+    @property
+    def sends(self) -> int:
+        return sum(t.sends for t in self.timelines)
 
     @property
     def replayed_makespan_s(self) -> float:
         """The step's span with these durations, in this order, if sending took no time and waking up none."""
+        last = self.ranks * self.stages_per_rank - 1
         ends: dict[tuple[int, str, int], float] = {}
         queues = [list(t.work) for t in self.timelines]
-        clocks = [0.0] * self.stages
+        clocks = [0.0] * self.ranks
         while any(queues):
             placed = False
-            for stage, queue in enumerate(queues):
+            for rank, queue in enumerate(queues):
                 while queue:
                     w = queue[0]
-                    waits_for = {
-                        "forward": (stage - 1, "forward", w.microbatch) if stage > 0 else None,
-                        "backward": (stage + 1, "backward", w.microbatch) if stage < self.stages - 1 else None,
+                    waits_for = {  # the neighbouring stage's work on the same microbatch, on another rank
+                        "forward": (w.stage - 1, "forward", w.microbatch) if w.stage > 0 else None,
+                        "backward": (w.stage + 1, "backward", w.microbatch) if w.stage < last else None,
                     }[w.kind]
                     if waits_for is not None and waits_for not in ends:
                         break
-                    clocks[stage] = max(clocks[stage], ends.get(waits_for, 0.0)) + w.duration_s
-                    ends[stage, w.kind, w.microbatch] = clocks[stage]
+                    clocks[rank] = max(clocks[rank], ends.get(waits_for, 0.0)) + w.duration_s
+                    ends[w.stage, w.kind, w.microbatch] = clocks[rank]
                     queue.pop(0)
                     placed = True
             if not placed:
@@ -194,29 +245,31 @@ class PipelineRun:
 
     @property
     def replayed_bubble(self) -> float:
-        return 1 - self.busy_s / (self.stages * self.replayed_makespan_s)
+        return 1 - self.busy_s / (self.ranks * self.replayed_makespan_s)
 
     def to_dict(self) -> dict:
         """Plain JSON types, for a rank's results to cross into the notebook; the constructor reads them back."""
         return asdict(self)
 
     def __repr__(self) -> str:
-        m = f"{self.microbatches} microbatch{'es' if self.microbatches > 1 else ''}"
+        v, m = self.stages_per_rank, f"{self.microbatches} microbatch{'es' if self.microbatches > 1 else ''}"
         return (
-            f"PipelineRun({self.schedule}, {self.stages} stages x {m}: bubble {self.bubble:.2f} measured, "
-            f"{self.replayed_bubble:.2f} replayed, {self.formula_bubble:.2f} by (p-1)/(m+p-1))"
+            f"PipelineRun({self.schedule}, {self.ranks} ranks x {v} stage{'s' if v > 1 else ''} x {m}: bubble "
+            f"{self.bubble:.2f} measured, {self.replayed_bubble:.2f} replayed, {self.formula_bubble:.2f} by "
+            f"(p-1)/(vm+p-1))"
         )
 
     def _repr_html_(self) -> str:
         rows = [
-            (t.rank, t.stage, *(f"{t.median_s(kind) * 1e3:.1f}" for kind in _KINDS), f"{t.busy_s * 1e3:.1f}",
-             f"{(self.makespan_s - t.busy_s) * 1e3:.1f}", t.max_in_flight, f"{t.activation_peak / 1e6:.2f}")
+            (t.rank, ", ".join(map(str, t.stages)), *(f"{t.median_s(kind) * 1e3:.1f}" for kind in _KINDS),
+             f"{t.busy_s * 1e3:.1f}", f"{(self.makespan_s - t.busy_s) * 1e3:.1f}", t.max_in_flight,
+             f"{t.activation_peak / 1e6:.2f}", t.sends)
             for t in self.timelines
         ]  # fmt: skip
-        header = ("rank", "stage", "forward (ms, median)", "backward (ms, median)", "busy (ms)", "idle (ms)",
-                  "most microbatches in flight", "activations at the peak (MB)")  # fmt: skip
+        header = ("rank", "stages", "forward (ms, median)", "backward (ms, median)", "busy (ms)", "idle (ms)",
+                  "most forwards in flight", "activations at the peak (MB)", "tensors sent")  # fmt: skip
         caption = f"{self!r}; step {self.makespan_s * 1e3:.1f} ms" + (f"; {self.source}" if self.source else "")
-        return Table(header, rows, caption=caption, numeric=range(2, 8))._repr_html_()
+        return Table(header, rows, caption=caption, numeric=range(2, 9))._repr_html_()
 
 
 def median_run(runs: Sequence[PipelineRun]) -> PipelineRun:
@@ -228,89 +281,50 @@ def median_run(runs: Sequence[PipelineRun]) -> PipelineRun:
 
 @dataclass
 class StageRecording:
-    """What :func:`record_stage` saw: each piece of work, and the activation bytes held before each backward."""
+    """What :func:`record_stages` saw: each piece of work, the activation bytes held before each backward, the sends."""
 
-    stage: int
     work: list[StageWork] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # bytes of each tensor handed to isend
 
     def timeline(self, rank: int) -> RankTimeline:
-        return RankTimeline(
-            rank=rank, stage=self.stage, work=tuple(self.work), activation_peak=max(self.held, default=0)
-        )
+        return RankTimeline(rank=rank, work=tuple(self.work), activation_peak=max(self.held, default=0),
+                            sends=len(self.sent), sent_bytes=sum(self.sent))  # fmt: skip
 
 
 @contextlib.contextmanager
-def record_stage(stage, *, clock: Callable[[], float] = time.perf_counter) -> Iterator[StageRecording]:
-    """Time every forward and backward a pipeline stage runs in the block, and count the activations it holds."""
-    recording = StageRecording(stage=stage.stage_index)
-    parameters = list(stage.submod.parameters())
+def record_stages(*stages, clock: Callable[[], float] = time.perf_counter) -> Iterator[StageRecording]:
+    """Time every forward and backward one rank's pipeline stages run in the block, count what they hold and send."""
+    recording = StageRecording()
+    parameters = [p for stage in stages for p in stage.submod.parameters()]
 
-    def timed(kind: str, compute: Callable) -> Callable:
+    def timed(stage, kind: str, compute: Callable) -> Callable:
         def run(chunk: int, *args, **kwargs):
             if kind == "backward":  # what forwards and losses saved is all there: the activations peak now
                 recording.held.append(saved.held_now(excluding=parameters))
             start = clock()
             result = compute(chunk, *args, **kwargs)
-            recording.work.append(StageWork(kind, chunk, start, clock()))
+            recording.work.append(StageWork(stage.stage_index, kind, chunk, start, clock()))
             return result
 
         return run
 
-    with saved_tensors() as saved:
-        stage.forward_one_chunk = timed("forward", stage.forward_one_chunk)
-        stage.backward_one_chunk = timed("backward", stage.backward_one_chunk)
+    def counted(send_ops: Callable) -> Callable:
+        def run(chunk: int, *args, **kwargs):
+            ops = send_ops(chunk, *args, **kwargs)
+            recording.sent.extend(op.tensor.nbytes for op in ops)
+            return ops
+
+        return run
+
+    with saved_tensors() as saved:  # one count for all of the rank's stages: hooks entered inside would replace it
+        for stage in stages:
+            stage.forward_one_chunk = timed(stage, "forward", stage.forward_one_chunk)
+            stage.backward_one_chunk = timed(stage, "backward", stage.backward_one_chunk)
+            stage.get_fwd_send_ops = counted(stage.get_fwd_send_ops)
+            stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops)
         try:
             yield recording
-        finally:  # the instance's wrappers go, the class's methods show through again
-            del stage.forward_one_chunk, stage.backward_one_chunk
-
-
-def pipeline_timeline(runs: Sequence[PipelineRun], *, caption: str, title: str | None = None) -> Figure:
-    """One panel per run, one row per rank: its forwards and backwards, numbered by microbatch; white is idle."""
-    figure, axes = plt.subplots(len(runs), 1, figsize=(10, 0.9 + 1.0 * sum(r.stages for r in runs)), sharex=True)
-    axes = [axes] if len(runs) == 1 else list(axes)
-    span_ms = max(run.makespan_s for run in runs) * 1e3
-    for ax, run in zip(axes, runs):
-        for row, timeline in enumerate(run.timelines):
-            for w in timeline.work:
-                start, width = (w.start_s - run.start_s) * 1e3, w.duration_s * 1e3
-                ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolor=_COLOURS[w.kind], edgecolor="white")
-                if width > run.makespan_s * 1e3 / 80:  # a number only where it fits
-                    ax.text(start + width / 2, row, w.microbatch, ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(run.stages), [f"rank {t.rank}\nstage {t.stage}" for t in run.timelines], fontsize=8)
-        ax.set_ylim(run.stages - 0.5, -0.5)
-        ax.set_title(
-            f"{run.schedule}, {run.microbatches} microbatches: idle {run.bubble:.0%} of the step measured, "
-            f"{run.replayed_bubble:.0%} replayed with free sends, {run.formula_bubble:.0%} by (p-1)/(m+p-1)",
-            fontsize=9,
-        )
-    axes[-1].set_xlim(-0.01 * span_ms, 1.15 * span_ms)  # room on the right for the legend
-    axes[-1].set_xlabel("time since the step's first forward (ms)")
-    axes[0].legend(handles=[Patch(color=_COLOURS[k], label=k) for k in _KINDS], loc="upper right", fontsize=8)
-    figure.suptitle(title or "Each rank's forwards and backwards, numbered by microbatch: white is idle")
-    add_footer(figure, caption)
-    return figure
-
-
-def bubble_chart(runs: Sequence[PipelineRun], *, caption: str, title: str | None = None) -> Figure:
-    """The bubble against the number of microbatches: measured, replayed and (p - 1) / (m + p - 1), per schedule."""
-    figure, ax = plt.subplots(figsize=(8, 4.2))
-    stages, most = runs[0].stages, max(run.microbatches for run in runs)
-    curve = [m / 4 for m in range(4, 4 * most + 1)]
-    ax.plot(curve, [(stages - 1) / (m + stages - 1) * 100 for m in curve], color="black", label="(p-1)/(m+p-1)")
-    for offset, schedule, marker, colour in ((-0.04, "GPipe", "o", "#4c72b0"), (0.04, "1F1B", "s", "#c44e52")):
-        mine = sorted((run for run in runs if run.schedule == schedule), key=lambda run: run.microbatches)
-        x = [run.microbatches * 2**offset for run in mine]  # side by side on the log axis
-        ax.plot(x, [run.bubble * 100 for run in mine], marker, ls="-", color=colour, label=f"{schedule}: measured")
-        ax.plot(x, [run.replayed_bubble * 100 for run in mine], marker, ls=":", mfc="none", color=colour,
-                label=f"{schedule}: replayed, sends free")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({run.microbatches for run in runs}), [str(m) for m in sorted({r.microbatches for r in runs})])
-    ax.set_xlabel("microbatches per step, m")
-    ax.set_ylabel("bubble: idle share of the step (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(title or f"The pipeline bubble on {stages} stages: measured against (p-1)/(m+p-1)")
-    ax.legend(fontsize=8)
-    add_footer(figure, caption)
-    return figure
+        finally:  # the instances' wrappers go, the class's methods show through again
+            for stage in stages:
+                del stage.forward_one_chunk, stage.backward_one_chunk, stage.get_fwd_send_ops, stage.get_bwd_send_ops

@@ -15,9 +15,14 @@ that group crosses, and the pipeline's bubble; an estimate from datasheets.
 The model, and what it leaves out:
 
 - **Compute**: the step's FLOPs, PaLM's ``6 N + 12 L T C`` per token
-  (:func:`perflab.training_mfu.palm_flops_per_token`) and under activation checkpointing the blocks' forward
-  once more, spread evenly over the GPUs, at the datasheet's dense peak for the precision
-  (:mod:`perflab.datasheet`): MFU 1, a lower bound.
+  (:func:`perflab.training_mfu.palm_flops_per_token`) and, when each block recomputes in full
+  (``recompute="full"``), the blocks' forward once more, spread evenly over the GPUs, at the datasheet's dense
+  peak for the precision (:mod:`perflab.datasheet`): MFU 1, a lower bound. Selective recomputation
+  (``"selective"``, :data:`perflab.parallel_step.SELECTIVE_SAVE`) runs again only what PaLM's count does not
+  count: LayerNorms, GELU, residual additions and casts, which read and write their tensors and do a few
+  FLOPs per element, memory-bound, so it adds no FLOPs here. What they cost is their bytes at the memory's
+  bandwidth, left out here as such operations are in every mode's forward and backward; lecture 11 measures
+  the recomputation's time on a CPU.
 - **Links**: a collective's bus bytes (:meth:`perflab.parallel_step.LayoutEstimate.sent`) over the
   per-direction bandwidth of the link its group crosses, NVLink inside a node or InfiniBand across, at the
   datasheet's rate: a lower bound too. Ranks are numbered as torchtitan lays out its mesh
@@ -208,18 +213,20 @@ def estimate_step_time(
     global_batch: int,
     seq_len: int,
     precision: str = "bfloat16",
-    checkpointing: bool = False,
+    recompute: str = "none",
 ) -> StepTime:
     """One step of ``global_batch`` sequences of ``seq_len`` tokens, in micro-batches of one sequence: each of the
-    ``dp`` replicas accumulates ``global_batch // dp`` of them (its pipeline's m)."""
+    ``dp`` replicas accumulates ``global_batch // dp`` of them (its pipeline's m); ``recompute`` is
+    :func:`perflab.parallel_step.estimate_layout`'s."""
     if global_batch % layout.dp:
         raise ValueError(f"{layout.label}: dp must divide the global batch ({global_batch} sequences)")
     m = global_batch // layout.dp
-    workload = dict(batch_size=1, seq_len=seq_len, microbatches=m, precision=precision, checkpointing=checkpointing)
+    workload = dict(batch_size=1, seq_len=seq_len, microbatches=m, precision=precision, recompute=recompute)
     estimate = estimate_layout(config, layout, **workload)
     palm, block_parameters = _flop_counts(config, seq_len)
-    # Checkpointing runs each block's forward again in backward: 2 FLOPs per weight and 4 L T C of attention
-    recomputed = 2 * block_parameters + 4 * config.n_layer * seq_len * config.n_embd if checkpointing else 0
+    # Full recomputation runs each block's forward again in backward: 2 FLOPs per weight and 4 L T C of attention;
+    # selective recomputation keeps the matmuls' and attention's outputs and runs again no FLOP PaLM counts.
+    recomputed = 2 * block_parameters + 4 * config.n_layer * seq_len * config.n_embd if recompute == "full" else 0
     flops, backward_flops = palm + recomputed, 2 * palm / 3 + recomputed  # PaLM's count: backward is 2/3 of it
     compute = flops * global_batch * seq_len / layout.gpus / cluster.gpu.flops_per_s(precision)
     last_backward = compute / m * backward_flops / flops

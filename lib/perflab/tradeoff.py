@@ -31,7 +31,7 @@ once in an order that reverses every round, so that a machine that slows down or
 between affects all variants alike; ``relative_time`` is the median of the per-round ratios to the
 first variant.
 
-Used in: lecture 05 (memory checkpointing).
+Used in: lecture 05 (memory checkpointing), lecture 11 (tensor pipeline parallel).
 """
 
 from __future__ import annotations
