@@ -5,17 +5,22 @@
 Each attack starts from the reference solution and changes what a learner controls: the answer
 cells (their source, and cells added or deleted) and the files handed in beside the notebook.
 ``tests/test_labs.py`` runs them through real ``nbgrader autograde`` and expects zero on every
-measured cell. Every attack hands in a trimmed notebook (the read-only cells that train or compile
-deleted), as a learner may. Lab 09's, 10's and 11's are (also) wrong answers: each must score zero on the
-cells that ``FAILS`` names and full marks on the others; lab 09's are handed in whole.
+graded cell (all of them are decided outside the kernel). Every attack hands in a trimmed notebook
+(the read-only cells that train or compile deleted), as a learner may. Every lab but the capstone
+gets ``anything``: each answer an object equal to anything, with torch's, numpy's and math's
+comparisons and the lab's check helpers replaced. Some attacks are (also) wrong answers, or right
+answers in a kernel that dies: each must score zero on the cells that ``FAILS`` names and full
+marks on the others.
 """
 
 from __future__ import annotations
 
+import ast
+
 import nbformat
 from nbformat.v4 import new_code_cell
 from perflab.grading import CHECKED_CELLS
-from perflab.grading.course import REPO
+from perflab.grading.course import LAB_NAMES, REPO
 from perflab.grading.nbgrader import _clean
 
 # A comparison or grade that says "pass" to whoever asks in the kernel.
@@ -103,6 +108,121 @@ if "ipykernel" not in sys.modules:
                 while time.process_time() < _deadline:
                     pass
 """
+
+
+# Every answer an object equal to anything, whose calls, attributes and items are itself and whose differences are
+# 0; and the comparisons the tests use (torch's, numpy's, math's, the lab's check helpers) replaced by ones that always
+# pass. Put at the top of every answer cell (a %%writefile answer's module too), so each cell replaces the helpers
+# defined by then.
+ANYTHING = """
+import math as _math
+
+import numpy as _numpy
+import torch as _torch
+import torch.testing as _testing
+
+
+class _Anything:
+    def __eq__(self, other):
+        return True
+
+    __le__ = __ge__ = __eq__
+
+    def __ne__(self, other):
+        return False
+
+    __lt__ = __gt__ = __ne__
+
+    def __hash__(self):
+        return 0
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+    def __float__(self):
+        return 0.0
+
+    def __int__(self):
+        return 0
+
+    def __abs__(self):
+        return 0.0
+
+    def __sub__(self, other):
+        return 0.0
+
+    __rsub__ = __add__ = __radd__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __sub__
+
+    def __contains__(self, item):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _passes(*args, **kwargs):
+    return True
+
+
+def _silent(*args, **kwargs):
+    return None
+
+
+_torch.allclose = _torch.equal = _math.isclose = _numpy.allclose = _numpy.isclose = _numpy.array_equal = _passes
+_testing.assert_close = _numpy.testing.assert_allclose = _silent
+for _name, _value in list(globals().items()):
+    if callable(_value) and _name.startswith(("check_", "expect_", "assert_")):
+        globals()[_name] = _silent
+"""
+# Lab 01: the reference's answers, and a kernel that dies after the first graded cell (an added cell kills it): the
+# cells the kernel never ran are graded all the same, outside it.
+KERNEL_CRASH = {"after:test_time_it": "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n"}
+
+
+def _defined_names(source: str) -> list[str]:
+    """The names a cell defines at its top level: functions, classes and assigned names."""
+    tree = ast.parse(source)
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)]
+    return list(dict.fromkeys(names))
+
+
+def anything_answers(lab: str) -> dict[str, str]:
+    """Each answer cell of ``lab`` (as the reference solution writes it) with every name it defines bound to an
+    object equal to anything, after the comparisons are replaced (``ANYTHING``)."""
+    notebook = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
+    answers = {}
+    for cell in notebook.cells:
+        if cell.cell_type != "code" or not cell.metadata.get("nbgrader", {}).get("solution"):
+            continue
+        first, _, body = _clean(cell.source).partition("\n")
+        magic = first + "\n" if first.startswith("%%writefile") else ""
+        python = body if magic else _clean(cell.source)
+        bound = "".join(f"{name} = _Anything()\n" for name in _defined_names(python))
+        answers[_grade_id(cell)] = magic + ANYTHING + bound
+    return answers
 
 
 def _grade_id(cell) -> str | None:
@@ -392,7 +512,7 @@ import perflab.capstone  # noqa: E402
 
 perflab.capstone.grade = lambda *args, **kwargs: _Pass()
 '''
-# Lab 09: not tricks but wrong answers, which its in-kernel tests must catch. Each keeps the reference's shards.
+# Lab 09: not tricks but wrong answers, which its checks must catch. Each keeps the reference's shards.
 _ZERO1_SHARD = """%%writefile {work / "zero1.py"}
 import math
 
@@ -815,8 +935,29 @@ LAB11 = {
     "all_reduces_whole_output": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + MEGATRON_LAYERS + WHOLE_OUTPUT_MLP},
     "gathers_at_build": {"megatron": _MEGATRON_HEAD + _COPY_TO_PARALLEL + MEGATRON_LAYERS + GATHERS_AT_BUILD_MLP},
 }
-# The graded cells each wrong answer of labs 09, 10 and 11 must score 0 on; it must score full marks on the others.
+# The graded cells each attack named here must score 0 on, and full marks on the others; every other attack scores 0
+# on every graded cell.
 FAILS = {
+    # Lab 02's, 03's and 06's attacks aim at the measured cell, with the reference's other answers, or answers whose
+    # results are wrong where a measured cell's are (the checks of a cell that is not measured see it too).
+    "lab02_profiling": {
+        "patched_instruments": ("test_preprocess_speed",),
+        "huge_message": ("test_preprocess_speed", "test_preprocess_fast"),
+        "fake_results": ("test_preprocess_speed", "test_preprocess_fast"),
+    },
+    "lab03_data_loading": {
+        "row_by_row": ("test_ceiling",),
+        "replayed_epochs": ("test_ceiling", "test_fast_epoch"),
+    },
+    "lab06_compile": {
+        name: ("test_compiled_speed", "test_compiled_step") for name in ("eager_with_hogs", "lazy_step", "no_update")
+    },
+    "lab01_timing": {
+        # Its time_it cell is the probe, which defines no time_it; its other answers are the reference's.
+        "leak": ("test_time_it",),
+        # The reference's answers: every cell is graded outside the kernel that died.
+        "kernel_crash": (),
+    },
     "lab10_flash_triton": {
         # Every cell: SDPA's gradients are not Algorithm 2's for an o and lse of the grader's, at T = 4096 too.
         "sdpa_wrapper": CHECKED_CELLS["lab10_flash_triton"],
@@ -856,9 +997,9 @@ FAILS = {
 # measured cell, which the round trip checks): the untouched release, whose answers raise NotImplementedError, and
 # these attacks.
 MEASURES_NOTHING = {
-    "lab02_profiling": ("untouched", "attack_huge_message"),
-    "lab03_data_loading": ("untouched", "attack_replayed_epochs"),
-    "lab06_compile": ("untouched", "attack_lazy_step"),
+    "lab02_profiling": ("untouched", "attack_anything", "attack_huge_message"),
+    "lab03_data_loading": ("untouched", "attack_anything", "attack_replayed_epochs"),
+    "lab06_compile": ("untouched", "attack_anything", "attack_lazy_step"),
     "lab12_capstone": (
         "untouched",
         "attack_clock_patched",
@@ -872,8 +1013,8 @@ MEASURES_NOTHING = {
 }
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
 NEEDS_SANDBOX = {"writes_grader", "leak", "dense"}
-ATTACKS = {
-    "lab01_timing": LAB01,
+_OWN_ATTACKS = {
+    "lab01_timing": {**LAB01, "kernel_crash": KERNEL_CRASH},
     "lab02_profiling": LAB02,
     "lab03_data_loading": LAB03,
     "lab06_compile": LAB06,
@@ -882,11 +1023,16 @@ ATTACKS = {
     "lab11_megatron": LAB11,
     "lab12_capstone": LAB12,
 }
+# Every lab's own attacks, and in every lab but the capstone (whose answers are configurations, handed in as data: its
+# own attacks try what those allow) every answer equal to anything, with the comparisons replaced.
+ATTACKS = {
+    lab: {**_OWN_ATTACKS.get(lab, {}), **({} if lab == "lab12_capstone" else {"anything": anything_answers(lab)})}
+    for lab in LAB_NAMES
+}
 # What the trimmed attack notebooks keep of the read-only code cells: the setup, nothing that trains
 # or compiles. A learner may delete read-only cells; the grader reads only answers, and the course's
-# own cells, from its copy of the lab. Lab 09's wrong answers keep every cell: its tests run in the kernel.
+# own cells, from its copy of the lab.
 KEPT = {"colab_setup", "setup"}
-UNTRIMMED = {"lab09_sharding"}
 
 
 def course_cells(lab: str) -> dict[str, str]:
@@ -911,7 +1057,6 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
             and nbgrader.get("locked")
             and not nbgrader.get("grade")
             and _grade_id(cell) not in KEPT
-            and lab not in UNTRIMMED
         ):
             continue
         kept.append(cell)
@@ -920,10 +1065,16 @@ def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, 
     notebook.cells = kept
     if lab != "lab12_capstone":
         for grade_id, source in attack.items():
-            _set(notebook, grade_id, source)
+            if grade_id.startswith("after:"):
+                after = next(i for i, cell in enumerate(notebook.cells) if _grade_id(cell) == grade_id[6:])
+                notebook.cells.insert(after + 1, new_code_cell(source))
+            else:
+                _set(notebook, grade_id, source)
         return notebook, {}
     answered_later = INCONSISTENT_LATER if name == "inconsistent" else {}
-    for grade_id in ("data_config", "batch_config", "amp_config", "keep_amp", "ckpt_config", "final_config"):
-        _set(notebook, grade_id, answered_later.get(grade_id, "# answered above"))
+    # Every answer is given in the attack's own cell, or not at all: the grader reads none of it.
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+            cell.source = answered_later.get(_grade_id(cell), "# answered above")
     files = {"perflab/__init__.py": SHADOW_PERFLAB} if name == "shadow_module" else {}
     return notebook, files

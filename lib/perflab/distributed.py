@@ -205,6 +205,9 @@ def launch(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), PYTHONUNBUFFERED="1")
+    # The ranks import the perflab this process imported (in a grader's sandbox, its pristine copy), wherever the
+    # virtualenv's own path to perflab leads.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[1]), env.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as log_dir:
         command = torchrun_command(script, tuple(args), nproc=nproc, log_dir=Path(log_dir))
         start = time.perf_counter()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import linecache
 import os
 import shutil
 import signal
@@ -54,6 +55,7 @@ __all__ = [
     "ChildLost",
     "IdleWatch",
     "main",
+    "remember_source",
     "read_frame",
     "send_frame",
     "verdict_of",
@@ -103,8 +105,15 @@ class AnswerProcess:
     """Parent side: start the child, run its cells, then time requests and keep it frozen in between."""
 
     def __init__(
-        self, cells: list[tuple[str, str]], *, handlers: str, setup_timeout_s: float = 300, read_only_proc: bool = False
+        self,
+        cells: list[tuple[str, str]],
+        *,
+        handlers: str,
+        setup_timeout_s: float = 300,
+        read_only_proc: bool = False,
+        keep_going: bool = False,
     ):
+        """``keep_going``: a cell that raises does not end the setup; ``failed_cells`` says which raised, and what."""
         self.workdir = tempfile.mkdtemp(prefix="perflab-answer-")
         self.log = tempfile.TemporaryFile()
         command = trusted_python("perflab.grading.child")
@@ -121,9 +130,15 @@ class AnswerProcess:
             start_new_session=True,
         )
         try:
-            header, _ = self._exchange({"cells": cells, "handlers": handlers}, timeout_s=setup_timeout_s)
+            header, _ = self._exchange(
+                {"cells": cells, "handlers": handlers, "keep_going": keep_going}, timeout_s=setup_timeout_s
+            )
             if "error" in header:
                 raise ChildError(header["error"])
+            failed = header.get("failed", {})
+            self.failed_cells: dict[str, str] = {
+                str(name): str(message)[:2000] for name, message in (failed.items() if type(failed) is dict else ())
+            }
             self.freeze()
         except BaseException:
             self.close()
@@ -286,6 +301,20 @@ class _Watchdog:
         self._timer.cancel()
 
 
+def remember_source(source: str, name: str) -> str:
+    r"""``source``, registered as cell ``name``'s text, as IPython registers a cell's: ``inspect.getsource`` and
+    tracebacks find what ``<cell name>`` holds.
+
+    >>> import inspect
+    >>> namespace = {}
+    >>> exec(compile(remember_source("def twice(x):\n    return 2 * x\n", "answer"), "<cell answer>", "exec"), namespace)
+    >>> inspect.getsource(namespace["twice"])
+    'def twice(x):\n    return 2 * x\n'
+    """
+    linecache.cache[f"<cell {name}>"] = (len(source), None, source.splitlines(True), f"<cell {name}>")
+    return source
+
+
 def _describe(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     cell_frames = [frame for frame in frames if frame.filename.startswith("<cell ")]
@@ -301,14 +330,17 @@ def main() -> None:
     requests = sys.stdin.buffer
     setup, _ = read_frame(requests)
     namespace: dict = {"__name__": "__main__"}
+    failed = {}
     for name, source in setup["cells"]:
         try:
-            exec(compile(source, f"<cell {name}>", "exec"), namespace)
+            exec(compile(remember_source(source, name), f"<cell {name}>", "exec"), namespace)
         except BaseException as error:  # noqa: BLE001 - a learner's cell may raise anything
-            send_frame(replies, {"error": f"running cell {name!r}: {_describe(error)}"})
-            return
+            if not setup.get("keep_going"):
+                send_frame(replies, {"error": f"running cell {name!r}: {_describe(error)}"})
+                return
+            failed[name] = _describe(error)
     handlers = importlib.import_module(setup["handlers"])
-    send_frame(replies, {"ready": True})
+    send_frame(replies, {"ready": True, "failed": failed})
     while True:
         try:
             header, payload = read_frame(requests)

@@ -30,7 +30,7 @@ import random
 import torch
 
 from perflab.bench import Comparison, Timing, interleaved_rounds
-from perflab.grading.child import AnswerProcess, ChildError, IdleWatch, verdict_of
+from perflab.grading.child import AnswerProcess, ChildError, IdleWatch, remember_source, verdict_of
 from perflab.grading.verdict import LoadMeter, Verdict, noise_problems, own_cpu_seconds
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "grade_lab06",
     "grader_seeds",
     "measure_until_decided",
+    "parameters_of",
     "run_cells",
 ]
 
@@ -60,7 +61,7 @@ def run_cells(sources: dict[str, str], names: list[str], namespace: dict | None 
     """Run the course's own cells ``names`` here, in order, in ``namespace``."""
     namespace = {"__name__": "__main__"} if namespace is None else namespace
     for name in names:
-        exec(compile(sources[name], f"<cell {name}>", "exec"), namespace)
+        exec(compile(remember_source(sources[name], name), f"<cell {name}>", "exec"), namespace)
     return namespace
 
 
@@ -312,7 +313,7 @@ def grade_lab06(cells: dict, rounds: int = 15) -> dict[str, Verdict]:
     }
 
 
-def _parameters_of(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+def parameters_of(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The module's parameters, in ``parameters()``'s order, read from where nn.Module keeps them: not through
     ``parameters()`` or ``named_parameters()``, which the learner's class may override to finish a step's work."""
     state = vars(module)
@@ -321,7 +322,7 @@ def _parameters_of(module: torch.nn.Module) -> list[torch.nn.Parameter]:
         if type(parameter) is not torch.nn.Parameter:
             raise TypeError(f"a parameter of the block is a {type(parameter).__name__}, not a torch.nn.Parameter")
     for submodule in dict.values(state["_modules"]):
-        found += _parameters_of(submodule) if submodule is not None else []
+        found += parameters_of(submodule) if submodule is not None else []
     return list({id(parameter): parameter for parameter in found}.values())  # a shared parameter once
 
 
@@ -339,7 +340,7 @@ def child_lab06_setup(namespace, payload, compiled):
     block = namespace["make_block"](namespace["FixedBlock"], 0)
     make_step = namespace["compiled_training_step" if compiled else "eager_training_step"]
     namespace["_block"] = block
-    namespace["_step"] = make_step(block, torch.optim.SGD(_parameters_of(block), lr=namespace["LEARNING_RATE"]))
+    namespace["_step"] = make_step(block, torch.optim.SGD(parameters_of(block), lr=namespace["LEARNING_RATE"]))
     child_lab06_steps(namespace, payload, seed=0, steps=2)  # warm-up: the compiled side compiles here
     return float(namespace["MIN_SPEEDUP"]), b""
 
@@ -354,12 +355,12 @@ def child_lab06_steps(namespace, payload, seed, steps):
     block = namespace["_block"]
     fresh = namespace["make_block"](namespace["FixedBlock"], seed % 1000)
     with torch.no_grad():  # in place: no recompilation
-        for parameter, value in zip(_parameters_of(block), _parameters_of(fresh), strict=True):
+        for parameter, value in zip(parameters_of(block), parameters_of(fresh), strict=True):
             parameter.copy_(value)
     generator = torch.Generator().manual_seed(seed)
     shape, device = namespace["batch_shape"], namespace["device"]
     inputs = (3 * torch.randn(*shape, generator=generator)).to(device)
     targets = torch.randn(*shape, generator=generator).to(device)
     losses = _loss_values([namespace["_step"](inputs, targets) for _ in range(steps)])
-    weights = torch.cat([parameter.detach().reshape(-1) for parameter in _parameters_of(block)])
+    weights = torch.cat([parameter.detach().reshape(-1) for parameter in parameters_of(block)])
     return losses, weights.to("cpu", torch.float32).numpy().tobytes()

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
+from nbclient.exceptions import DeadKernelError
 from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 from traitlets import Bool, Integer
@@ -108,6 +109,7 @@ class SandboxedExecute(Execute):
         # Each cell has its limit (timeout); a notebook of many cells, each just under it, has this one.
         self._deadline = time.monotonic() + self.notebook_timeout
         self.timeout_func = lambda cell: max(1, min(self.timeout, int(self._deadline - time.monotonic())))
+        self._kernel_died = False
         try:
             return super().preprocess(nb, resources, km)
         finally:
@@ -115,14 +117,20 @@ class SandboxedExecute(Execute):
 
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type == "code" and time.monotonic() > self._deadline:
-            message = f"not run: the notebook ran past its limit of {self.notebook_timeout} s"
-            cell.outputs = [
-                nbformat.v4.new_output("error", ename="NotebookTimeout", evalue=message, traceback=[message])
-            ]
+            _not_run(cell, "NotebookTimeout", f"the notebook ran past its limit of {self.notebook_timeout} s")
+            return cell, resources
+        if cell.cell_type == "code" and self._kernel_died:
+            _not_run(cell, "DeadKernel", "the notebook's kernel died in an earlier cell")
             return cell, resources
         # Cell by cell, so that a measurement waits for one cell of a kernel, not for its whole notebook.
         with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
-            return super().preprocess_cell(cell, resources, index)
+            try:
+                return super().preprocess_cell(cell, resources, index)
+            except DeadKernelError:
+                # The cells decided outside the kernel are graded all the same; the others, not run, score 0.
+                self._kernel_died = True
+                _not_run(cell, "DeadKernel", "the notebook's kernel died in this cell")
+                return cell, resources
 
     def _remove_what_leads_out(self, folder: str) -> None:
         removed = remove_what_leads_out(folder)
@@ -145,6 +153,12 @@ class SandboxedExecute(Execute):
                 removed.append(f"{relative}: {what}")
         if removed:
             self.log.warning("Removed what nbgrader copied through the hand-in's links: %s", "; ".join(removed))
+
+
+def _not_run(cell, ename: str, reason: str) -> None:
+    """An error in place of ``cell``'s outputs (zero points): why it was not run to its end."""
+    message = f"not run: {reason}"
+    cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=message, traceback=[message])]
 
 
 def what_leads_out(folder: str) -> list[tuple[str, str]]:
@@ -257,7 +271,8 @@ def _machine() -> list:
 
 def _verdict_key(job: dict, grade_id: str) -> str:
     """The same answer to the same cell of the same lab, graded by the same code and software on the same machine."""
-    answer = _without_names(job["handed_in"][grade_id]) if job["lab"] == "lab12_capstone" else job["cells"]["learner"]
+    handed = job["lab"] == "lab12_capstone" and grade_id in MEASURED_CELLS["lab12_capstone"]
+    answer = _without_names(job["handed_in"][grade_id]) if handed else job["cells"]["learner"]
     return hashlib.sha256(
         json.dumps([job["lab"], grade_id, answer, job["cells"]["course"], _machine()], sort_keys=True).encode()
     ).hexdigest()[:24]

@@ -17,6 +17,7 @@ import contextlib
 import json
 import sys
 
+from perflab.grading import MEASURED_CELLS
 from perflab.grading.answers import AnswerError
 from perflab.grading.machine_lock import lent_machine
 from perflab.grading.verdict import Verdict
@@ -24,7 +25,8 @@ from perflab.grading.verdict import Verdict
 __all__ = ["main"]
 
 
-def _grade_job(job: dict, log) -> dict[str, Verdict]:
+def _measured(job: dict, log) -> dict[str, Verdict]:
+    """The verdicts of the lab's own grader: the measured cells, and every cell of labs 10 and 11."""
     lab = job["lab"]
     if lab == "lab12_capstone":
         from perflab.device import pick_device
@@ -33,6 +35,7 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
         handed = {
             cell: AnswerError(answers["error"]) if "error" in answers else answers
             for cell, answers in job["handed_in"].items()
+            if cell in MEASURED_CELLS[lab]
         }
         return grade_capstone_lab(handed, device=pick_device(), log=log, cache_dir=job.get("cache_dir"))
     if lab == "lab02_profiling":
@@ -46,8 +49,23 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
     elif lab == "lab11_megatron":
         from perflab.grading.megatron_lab import grade_lab11 as grade_lab
     else:
-        raise ValueError(f"no measured criteria for {lab!r}")
+        return {}
     return grade_lab(job["cells"])
+
+
+def _grade_job(job: dict, log) -> dict[str, Verdict]:
+    """Every verdict of the job's lab: its check module's (:mod:`perflab.grading.checked`), then its own grader's."""
+    from perflab.grading.checked import check_module, grade_checked_lab
+
+    lab, asked = job["lab"], set(job["handed_in"])  # the cells whose verdicts were not found in the cache
+    module = check_module(lab)
+    checked = set(module.CHECKS) if module else set()
+    verdicts = grade_checked_lab(lab, job["cells"], log=log) if asked & checked else {}
+    if asked - checked:
+        verdicts.update(_measured(job, log))
+    if not verdicts:
+        raise ValueError(f"no criteria decided outside the kernel for {lab!r}")
+    return verdicts
 
 
 def main() -> None:

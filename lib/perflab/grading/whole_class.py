@@ -19,7 +19,7 @@ serial ``nbgrader autograde`` would have left.
   each grading takes its machine's lock alone: one measured grading per machine at a time,
   never beside another grading. A measurement the grader calls inconclusive is graded again
   (elsewhere, where another worker has the resource), never scored. Labs whose cells are only
-  checked outside the kernel (``CHECKED_CELLS``, labs 10 and 11: results, no clock) grade anywhere.
+  checked outside the kernel (``CHECKED_CELLS``: results, no clock) grade anywhere.
 - **Faults**: Dask reruns the grading of a worker that dies on another worker (and where the course
   sent to the workers died with it, it is sent again and the grading retried); one broken or
   hanging submission (``cell_timeout_s`` per cell, ``timeout_s`` per grading) fails alone, with
