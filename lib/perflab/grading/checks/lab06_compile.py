@@ -170,16 +170,35 @@ def _steps(namespace: dict, seed: int, make_step: str) -> dict:
     }
 
 
-def _probe_compiled_step(namespace: dict, seed: int) -> dict:
-    broken = namespace["make_block"](namespace["PlantedBlock"], seed % 100)
-    broken_step = namespace["compiled_training_step"](broken, torch.optim.SGD(parameters_of(broken), lr=0.01))
-    sample = _sample(seed).to(namespace["device"])
+@contextlib.contextmanager
+def _without_code_generation():
+    """``torch.compile`` with the ``aot_eager`` backend unless the answer names one: Dynamo traces, breaks and refuses
+    as it would (``fullgraph``), and AOTAutograd splits forward and backward, without Inductor's code generation, which
+    costs tens of seconds a grading; the measured cell compiles the answer for real and checks its results."""
+    compile_ = torch.compile
+
+    def compile_for_results(model=None, **options):
+        options.setdefault("backend", "aot_eager")
+        return compile_(model, **options) if model is not None else compile_(**options)
+
+    torch.compile = compile_for_results
     try:
-        broken_step(sample, torch.zeros_like(sample))
-        refused = False
-    except torch._dynamo.exc.TorchDynamoException:
-        refused = True
-    return {**_steps(namespace, seed, "compiled_training_step"), "PlantedBlock refused": refused}
+        yield
+    finally:
+        torch.compile = compile_
+
+
+def _probe_compiled_step(namespace: dict, seed: int) -> dict:
+    with _without_code_generation():
+        broken = namespace["make_block"](namespace["PlantedBlock"], seed % 100)
+        broken_step = namespace["compiled_training_step"](broken, torch.optim.SGD(parameters_of(broken), lr=0.01))
+        sample = _sample(seed).to(namespace["device"])
+        try:
+            broken_step(sample, torch.zeros_like(sample))
+            refused = False
+        except torch._dynamo.exc.TorchDynamoException:
+            refused = True
+        return {**_steps(namespace, seed, "compiled_training_step"), "PlantedBlock refused": refused}
 
 
 def _decide_compiled_step(got: dict, want: dict, seed: int) -> list[str]:
