@@ -191,8 +191,8 @@ for _name, _value in list(globals().items()):
     if callable(_value) and _name.startswith(("check_", "expect_", "assert_")):
         globals()[_name] = _silent
 """
-# Lab 01: the reference's answers, and a kernel that dies after the first graded cell (an added cell kills it): the
-# cells the kernel never ran are graded all the same, outside it.
+# A cell added after lab 01's first graded cell that kills the kernel: the cells the kernel never ran are graded all
+# the same, outside it (the leak attack ends with it, so that one grading shows both).
 KERNEL_CRASH = {"after:test_time_it": "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n"}
 
 
@@ -292,8 +292,8 @@ def compiled_training_step(model, optimizer):
 
 LAB01 = {
     # Reads what it can find of the course (solutions, gradebook, other submissions) into its own output, and leaves
-    # links to the gradebook and the sources, a FIFO and hard links for nbgrader to follow.
-    "leak": {"time_it": LEAK_PROBE + LINKS},
+    # links to the gradebook and the sources, a FIFO and hard links for nbgrader to follow; then kills its kernel.
+    "leak": {"time_it": LEAK_PROBE + LINKS, **KERNEL_CRASH},
 }
 
 LAB02 = {
@@ -953,10 +953,9 @@ FAILS = {
         name: ("test_compiled_speed", "test_compiled_step") for name in ("eager_with_hogs", "lazy_step", "no_update")
     },
     "lab01_timing": {
-        # Its time_it cell is the probe, which defines no time_it; its other answers are the reference's.
+        # Its time_it cell is the probe, which defines no time_it; its other answers are the reference's, graded outside
+        # the kernel that it killed after that cell.
         "leak": ("test_time_it",),
-        # The reference's answers: every cell is graded outside the kernel that died.
-        "kernel_crash": (),
     },
     "lab10_flash_triton": {
         # Every cell: SDPA's gradients are not Algorithm 2's for an o and lse of the grader's, at T = 4096 too.
@@ -1014,7 +1013,7 @@ MEASURES_NOTHING = {
 # Attacks that only the sandbox stops: without bubblewrap they are not run (the sandbox's own test says why).
 NEEDS_SANDBOX = {"writes_grader", "leak", "dense"}
 _OWN_ATTACKS = {
-    "lab01_timing": {**LAB01, "kernel_crash": KERNEL_CRASH},
+    "lab01_timing": LAB01,
     "lab02_profiling": LAB02,
     "lab03_data_loading": LAB03,
     "lab06_compile": LAB06,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import nbformat
@@ -100,3 +101,23 @@ def test_a_checked_lab_grades_each_cell_from_what_the_learner_s_code_returns():
     assert verdicts["test_summarize"].status == "fail" and "expected" in str(verdicts["test_summarize"])
     assert verdicts["test_hidden_syncs"].status == "fail"
     assert "RuntimeError: not today" in str(verdicts["test_train_fixed"])
+
+
+def test_a_result_of_another_form_than_the_course_s_fails_its_check_and_the_grading_goes_on(monkeypatch):
+    """Lab 01 with a time_it that times nothing: its empty lists fail the check, and a decision that cannot read what
+    it was handed (here: one that indexes past the end) fails that check too, never the grading."""
+    lab = "lab01_timing"
+    source = _source(lab)
+    course = {_nbgrader(c)["grade_id"]: _clean(c.source) for c in source.cells if "grade_id" in _nbgrader(c)}
+    learner = {name: course[name] for name in check_module(lab).ANSWERS}
+    learner["time_it"] = "def time_it(fn, sync, warmup=1, repeats=5):\n    return []\n"
+    summarize = check_module(lab).CHECKS["test_summarize"]
+    monkeypatch.setitem(
+        check_module(lab).CHECKS,
+        "test_summarize",
+        dataclasses.replace(summarize, decide=lambda got, want, seed: [got["summaries"][99]]),
+    )
+    verdicts = grade_checked_lab(lab, {"course": course, "learner": learner})
+    assert verdicts["test_time_it"].status == "fail" and "leaked" in str(verdicts["test_time_it"])
+    assert verdicts["test_summarize"].status == "fail" and "IndexError" in str(verdicts["test_summarize"])
+    assert verdicts["test_train_fixed"].passed, verdicts["test_train_fixed"]

@@ -72,7 +72,7 @@ def _decide_time_it(got: dict, want: dict, seed: int) -> list[str]:
             f"each call's queued work must be inside its timing (over {least:.4f} s): did you sync? {got['synced']}"
         )
     after = got["after warm-up"]
-    if not all(type(t) is float for t in after) or max(after) >= WARMUP_S / 2 or min(after) <= least:
+    if not after or not all(type(t) is float for t in after) or max(after) >= WARMUP_S / 2 or min(after) <= least:
         failures.append(f"the warm-up's work leaked into the timing, or a call's work was left out: {after}")
     failures += [
         f"time_it({key}) must raise ValueError, raised {got[key]}"
