@@ -1,14 +1,12 @@
 """Lab 08 (FlashAttention's forward pass), decided outside the learner's kernel, on inputs drawn per grading.
 
-    >>> from perflab.grading.checks.lab08_attention import CHECKS, attention_cases, memory_lengths, row_cases
+    >>> from perflab.grading.checks.lab08_attention import CHECKS, attention_cases, row_cases
     >>> sorted(CHECKS)
     ['test_causal', 'test_memory', 'test_noncausal', 'test_streaming_row']
     >>> [(length, chunk, scale) for length, chunk, scale, _ in row_cases(seed=3)]   # fresh sizes for every grading
     [(117, 6, 1.0), (83, 1, 3.0), (47, 67, 1.0), (44, 44, 1.0), (310, 36, 500.0), (4189, 32, 1.0)]
     >>> attention_cases(seed=3, causal=True)[-1].shape    # (B, H, Tq, D) of the causal call with many small tiles
     (1, 2, 259, 8)
-    >>> memory_lengths(seed=3)
-    (384, 768)
 
 The learner's functions run in the child, on these inputs, under the course's rules (no SDPA, no
 library attention: a call of either raises there) and its instruments (``largest_new_tensor``,
@@ -22,74 +20,25 @@ Used by perflab.grading.checks.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import random
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-import perflab.models.gpt
 from perflab.attention import largest_new_tensor
 from perflab.grading.checked import Check, differences
-from perflab.memory import peak_memory
+from perflab.grading.checks.lab08_attention_memory import decide_memory, naive_peaks, probe_memory
+from perflab.grading.checks.lab08_attention_rules import AttentionCase, error_text, library_attention_refused
 from perflab.models import count_flops
 
-__all__ = [
-    "ANSWERS",
-    "CELLS",
-    "CHECKS",
-    "AttentionCase",
-    "attention_cases",
-    "flops_case",
-    "library_attention_refused",
-    "memory_lengths",
-    "row_cases",
-]
+__all__ = ["ANSWERS", "CELLS", "CHECKS", "attention_cases", "flops_case", "row_cases"]
 
 CELLS = ("colab_setup", "setup", "streaming_row", "rules", "flash_attention")
 ANSWERS = ("streaming_row", "flash_attention")
 ROW_ATOL = 1e-5  # |output - softmax(scores) @ values|, as the lab states
 ROW_SUM_RTOL = 1e-4
 TOLERANCE = 1e-4  # |flash_attention - SDPA in float64|, float32 inputs: the notebook's TOLERANCE
-MEMORY_GROWTH = 2.6  # the most a linear peak may grow when T doubles
-NAIVE_GROWTH = 3.5  # the least naive attention's peak grows when T doubles: the instrument sees the T x T scores
-BELOW_NAIVE = 10  # the learner's peak at 2T must be this many times below naive's
-
-
-class _RefuseLibraryAttention(TorchFunctionMode):
-    """Sees every torch function and operator call, whatever name it was reached by."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in getattr(func, "__name__", ""):
-            raise AssertionError(f"flash_attention must compute attention itself, not call {func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("flash_attention must compute attention itself, not call the course library's version")
-
-
-@contextlib.contextmanager
-def library_attention_refused():
-    """The lab's rules, the grader's own copy: SDPA (any of its operators) and the library's attention raise."""
-    library = (perflab.models.gpt.tiled_attention, perflab.models.gpt.sdpa_attention)
-    originals = [function.__code__ for function in library]
-    try:
-        for function in library:
-            function.__code__ = _refuse.__code__  # swapping the code catches the function under any name
-        with _RefuseLibraryAttention():
-            yield
-    finally:
-        for function, code in zip(library, originals):
-            function.__code__ = code
-
-
-def _error(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def row_cases(seed: int) -> list[tuple[int, int, float, int]]:
@@ -165,33 +114,6 @@ def _decide_streaming_row(got: list, want: list, seed: int) -> list[str]:
     return failures
 
 
-@dataclass(frozen=True)
-class AttentionCase:
-    """One call of flash_attention: q (B, H, Tq, D), keys and values (B, H, Tk, D), its tile and score scale."""
-
-    shape: tuple[int, int, int, int]
-    key_length: int
-    tile_size: int
-    scale: float
-    tensor_seed: int
-
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.tensor_seed)
-        batch, heads, _, head_dim = self.shape
-        keys = (batch, heads, self.key_length, head_dim)
-        q = torch.randn(self.shape, generator=generator) * self.scale
-        k = torch.randn(keys, generator=generator) * self.scale
-        return q, k, torch.randn(keys, generator=generator)
-
-    def largest_allowed(self) -> int:
-        """No more numbers than q holds, or than one tile_size x tile_size block of scores per head."""
-        batch, heads, _, _ = self.shape
-        return max(math.prod(self.shape), batch * heads * self.tile_size**2)
-
-    def __str__(self) -> str:
-        return f"q {self.shape}, {self.key_length} keys, tile_size={self.tile_size}, scores x{self.scale**2:g}"
-
-
 def attention_cases(seed: int, causal: bool) -> list[AttentionCase]:
     """The calls a grading makes: lengths that are not multiples of the tile, one tile, a tile longer than the
     sequence, a single token, large scores, and (not causal) more or fewer keys than queries, or (causal) many
@@ -226,7 +148,7 @@ def _run_attention(flash_attention, case: AttentionCase, causal: bool) -> dict:
         with library_attention_refused(), torch.no_grad(), largest_new_tensor() as largest:
             output = flash_attention(q, k, v, causal=causal, tile_size=case.tile_size)
     except Exception as error:  # noqa: BLE001 - what it raised is the answer
-        return {"output": None, "raised": _error(error), "largest": 0}
+        return {"output": None, "raised": error_text(error), "largest": 0}
     return {"output": output, "raised": None, "largest": largest.numel}
 
 
@@ -282,7 +204,7 @@ def _probe_causal(namespace: dict, seed: int) -> dict:
                 call = functools.partial(flash_attention, causal=causal, tile_size=tile_size)
                 flops[str(causal)] = count_flops(call, q, k, v, backward=False)
         except Exception as error:  # noqa: BLE001 - what it raised is the answer
-            flops[str(causal)] = _error(error)
+            flops[str(causal)] = error_text(error)
     return {
         "calls": [_run_attention(flash_attention, case, True) for case in attention_cases(seed, True)],
         "flops": flops,
@@ -309,65 +231,6 @@ def _decide_causal(got: dict, want: dict, seed: int) -> list[str]:
         failures.append(
             f"{where}: the causal call did only {ratio:.2f} of the non-causal FLOPs: it skips tiles it needs"
         )
-    return failures
-
-
-def memory_lengths(seed: int) -> tuple[int, int]:
-    """T and 2T of the peak-memory measurement: shorter than the notebook's 1024 and 2048, as a tiled forward's
-    seconds grow as T**2, and long enough for naive attention's T x T scores to dominate its peak."""
-    length = random.Random(seed).choice((384, 512, 640))
-    return length, 2 * length
-
-
-def _forward_peaks(attention, seed: int, causal: bool, rules) -> list:
-    """The peak bytes of one forward pass at T and at 2T (B=1, H=2, D=16), or what it raised."""
-    peaks = []
-    for length in memory_lengths(seed):
-        q, k, v = AttentionCase((1, 2, length, 16), length, 64, 1.0, seed + length).inputs()
-        try:
-            with rules(), torch.no_grad(), peak_memory() as peak:
-                attention(q, k, v, causal=causal)
-        except Exception as error:  # noqa: BLE001 - what it raised is the answer
-            return [_error(error)]
-        peaks.append(peak.bytes)
-    return peaks
-
-
-def _probe_memory(namespace: dict, seed: int) -> dict:
-    flash_attention = namespace["flash_attention"]
-    return {
-        f"causal={causal}": _forward_peaks(flash_attention, seed, causal, library_attention_refused)
-        for causal in (False, True)
-    }
-
-
-def _naive_peaks(reference: dict, seed: int) -> list:
-    return _forward_peaks(perflab.models.gpt.naive_attention, seed, True, contextlib.nullcontext)
-
-
-def _decide_memory(got: dict, naive: list, seed: int) -> list[str]:
-    short, long = memory_lengths(seed)
-    if naive[1] / naive[0] <= NAIVE_GROWTH:
-        return [f"the grader's instrument saw naive attention grow only x{naive[1] / naive[0]:.2f}: not measured"]
-    failures = []
-    for name, peaks in got.items():
-        where = f"{name}, T = {short} then {long}"
-        if not all(type(peak) is int for peak in peaks) or len(peaks) != 2:
-            failures.append(f"{where}: {peaks}")
-            continue
-        output_bytes = [2 * length * 16 * 4 for length in (short, long)]
-        if any(peak < least for peak, least in zip(peaks, output_bytes)):
-            failures.append(f"{where}: peaks of {peaks} bytes, less than the output itself ({output_bytes} bytes)")
-        elif peaks[1] / peaks[0] >= MEMORY_GROWTH:
-            failures.append(
-                f"{where}: your peak memory grew x{peaks[1] / peaks[0]:.2f} when T doubled: it must grow linearly "
-                f"(< {MEMORY_GROWTH}x)"
-            )
-        if peaks[-1] >= naive[1] / BELOW_NAIVE:
-            failures.append(
-                f"{where}: your peak at T = {long} ({peaks[-1] / 1e6:.2f} MB) must be far below naive's "
-                f"({naive[1] / 1e6:.2f} MB; under a {BELOW_NAIVE}th)"
-            )
     return failures
 
 
@@ -399,9 +262,9 @@ CHECKS = {
     "test_memory": Check(
         "flash_attention's peak memory at T and 2T (drawn for this grading), causal and not: it must grow linearly "
         "and stay far below naive attention's, measured by the grader",
-        _probe_memory,
-        _decide_memory,
+        probe_memory,
+        decide_memory,
         needs=("flash_attention",),
-        expected=_naive_peaks,
+        expected=naive_peaks,
     ),
 }
