@@ -9,7 +9,7 @@ import nbformat
 import pytest
 import torch
 from perflab.grading import CHECKED_CELLS, DECIDED_OUTSIDE
-from perflab.grading.checked import check_module, differences, grade_checked_lab
+from perflab.grading.checked import GraderFault, check_module, differences, grade_checked_lab
 from perflab.grading.course import LAB_NAMES, REPO
 from perflab.grading.nbgrader import _clean
 from perflab.grading.plain_data import NotPlainData, decode, encode
@@ -121,3 +121,21 @@ def test_a_result_of_another_form_than_the_course_s_fails_its_check_and_the_grad
     assert verdicts["test_time_it"].status == "fail" and "leaked" in str(verdicts["test_time_it"])
     assert verdicts["test_summarize"].status == "fail" and "IndexError" in str(verdicts["test_summarize"])
     assert verdicts["test_train_fixed"].passed, verdicts["test_train_fixed"]
+
+
+def test_a_check_whose_own_side_failed_is_a_failed_grading_not_a_wrong_answer(monkeypatch):
+    """A decision that finds the course's side unmeasured raises GraderFault: "grading failed", graded again."""
+    lab = "lab01_timing"
+    source = _source(lab)
+    course = {_nbgrader(c)["grade_id"]: _clean(c.source) for c in source.cells if "grade_id" in _nbgrader(c)}
+    learner = {name: course[name] for name in check_module(lab).ANSWERS}
+    summarize = check_module(lab).CHECKS["test_summarize"]
+
+    def unmeasured(got, want, seed):
+        raise GraderFault("the reference could not be measured")
+
+    monkeypatch.setitem(check_module(lab).CHECKS, "test_summarize", dataclasses.replace(summarize, decide=unmeasured))
+    verdicts = grade_checked_lab(lab, {"course": course, "learner": learner})
+    assert verdicts["test_summarize"].status == "error", verdicts["test_summarize"]
+    assert "the reference could not be measured" in str(verdicts["test_summarize"])
+    assert verdicts["test_time_it"].passed, verdicts["test_time_it"]

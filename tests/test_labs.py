@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,10 +210,20 @@ def _keep_only(course: NbgraderCourse, graded_here) -> None:
 
 def _autograde_all(course: NbgraderCourse, env: dict[str, str], timeout: int) -> str:
     """Every submission ``course`` holds, in one `nbgrader autograde` with ``env`` added to its environment: each
-    command costs an nbgrader start (~4 s)."""
+    command costs an nbgrader start (~4 s). One stopped at ``timeout`` leaves the seconds of what it graded (the last
+    one's until it was stopped) in build/grading-times-stopped-<folder>.tsv, to show where the time went."""
     if not any((course.root / "submitted").glob("*/*")):
         return ""  # nbgrader fails when it finds nothing to grade
-    return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=timeout, env=env)
+    try:
+        return course.run("autograde", "*", "--force", *_TIMESTAMPED_LOG, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as stopped:
+        log = stopped.stderr.decode(errors="replace") if isinstance(stopped.stderr, bytes) else stopped.stderr or ""
+        lines = ["lab\tstudent\tseconds"] + [
+            f"{lab}\t{student}\t{took:.0f}" for (lab, student), took in _grading_seconds(log).items()
+        ]
+        (REPO / "build").mkdir(exist_ok=True)
+        (REPO / "build" / f"grading-times-stopped-{course.root.parent.name}.tsv").write_text("\n".join(lines) + "\n")
+        raise
 
 
 def _merge_gradings(source: NbgraderCourse, course: NbgraderCourse, lab: str) -> None:

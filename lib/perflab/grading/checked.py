@@ -11,7 +11,9 @@ and, of those, the learner's ``ANSWERS``), and one :class:`Check` per graded cel
   drawn from ``seed``, and returns plain data (:mod:`perflab.grading.plain_data`). It runs twice:
   in a sandboxed child, on the learner's answers, and here, on the course's reference solution.
 - ``decide(got, want, seed)`` runs here, on the two results as :func:`plain_data.decode` rebuilt
-  them, and returns every reason the answer fails (empty: it passes).
+  them, and returns every reason the answer fails (empty: it passes). What it cannot read of the
+  learner's result fails the check; when the course's side failed it raises :class:`GraderFault`,
+  and the cell's grading failed (graded again, never scored).
 
 The seed is drawn here, per grading, and reaches the child only with the request. Every
 comparison runs in this process, with the course's code, on data: whatever the learner's cells
@@ -44,7 +46,16 @@ from perflab.grading.code_labs import grader_seeds, run_cells
 from perflab.grading.plain_data import NotPlainData, decode, encode
 from perflab.grading.verdict import Verdict
 
-__all__ = ["Check", "as_python", "check_module", "child_probe", "differences", "grade_checked_lab", "raised"]
+__all__ = [
+    "Check",
+    "GraderFault",
+    "as_python",
+    "check_module",
+    "child_probe",
+    "differences",
+    "grade_checked_lab",
+    "raised",
+]
 
 PROBE_TIMEOUT_S = 300  # a watchdog far above any probe's seconds: a probe that takes this long hangs
 MAX_FAILURES = 4
@@ -64,6 +75,11 @@ class Check:
 
     def want(self, reference: dict, seed: int):
         return (self.expected or self.probe)(reference, seed)
+
+
+class GraderFault(Exception):
+    """Raised by a check's decision when the course's side failed (the reference could not be measured): the grading
+    failed, not the answer."""
 
 
 def check_module(lab: str):
@@ -225,13 +241,16 @@ def grade_checked_lab(lab: str, cells: dict, log=lambda line: None) -> dict[str,
                 verdicts[name] = _verdict(check, [f"your code, run by the grader: {error}"])
                 continue
             want = decode(*encode(check.want(reference, seed)))
-            # A result of another form than the course's (an empty list, a missing key, a tensor of a shape that torch
-            # refuses with a RuntimeError) is a wrong answer, not a failed grading.
+            # What the decision cannot read fails the check: a result of another form than the course's (an empty list,
+            # a missing key, a tensor torch refuses with a RuntimeError). The course's own side raises GraderFault.
             try:
-                failures = check.decide(got, want, seed)
+                verdicts[name] = _verdict(check, check.decide(got, want, seed))
+            except GraderFault as fault:
+                verdicts[name] = Verdict.grading_failed(f"{check.description}: {fault}")
             except Exception as error:  # noqa: BLE001
-                failures = [f"your code's result has another form than the course's: {type(error).__name__}: {error}"]
-            verdicts[name] = _verdict(check, failures)
+                log(f"{lab}: {name}: the decision raised {type(error).__name__}: {error}")
+                failures = [f"the grader could not read your code's result: {type(error).__name__}: {error}"]
+                verdicts[name] = _verdict(check, failures)
     finally:
         child.close()
     return verdicts

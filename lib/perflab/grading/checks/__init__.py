@@ -6,8 +6,9 @@
 
 Each module holds ``CELLS`` (the cells a child runs, in the notebook's order), ``ANSWERS`` (those
 of them that are the learner's) and ``CHECKS`` (grade_id -> :class:`perflab.grading.checked.Check`).
-A lab module too long to read at once keeps parts in modules named after it (``lab05_memory_train``,
-``lab08_attention_rules``, ``lab08_attention_memory``).
+A lab module too long to read at once keeps parts in modules named after it, which hold no cells or
+checks of their own and are not in ``CHECK_MODULES`` (``lab05_memory_train``, ``lab08_attention_rules``,
+``lab08_attention_memory``).
 Labs 10 and 11 have graders of their own (:mod:`perflab.grading.triton_lab`,
 :mod:`perflab.grading.megatron_lab`).
 

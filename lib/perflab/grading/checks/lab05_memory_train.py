@@ -5,8 +5,8 @@ halfway through a save, and handed a checkpoint holding code, on runs drawn for 
     >>> train_case(seed=3)  # (run seed, sequences a batch, the plan, of 4 steps: the one that crashes, the save that does)
     (243, 6, 3, 2, 2, 3)
 
-A crash is an exception (:class:`Crash`) raised where the process would die: in the drawn optimizer
-step, or after half of the drawn save's bytes are written. The run resumed from its checkpoint must
+A crash is an exception (:class:`Crash`) raised where the process would die: as the drawn optimizer
+step starts (before it changes a weight), or after half of the drawn save's bytes are written. The run resumed from its checkpoint must
 end where the uninterrupted run ends, step for step.
 
 Used by perflab.grading.checks.lab05_memory.

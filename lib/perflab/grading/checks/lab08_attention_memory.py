@@ -16,6 +16,7 @@ import random
 import torch
 
 import perflab.models.gpt
+from perflab.grading.checked import GraderFault
 from perflab.grading.checks.lab08_attention_rules import AttentionCase, error_text, library_attention_refused
 from perflab.memory import peak_memory
 
@@ -61,6 +62,8 @@ def naive_peaks(reference: dict, seed: int) -> list:
 
 def decide_memory(got: dict, naive: list, seed: int) -> list[str]:
     short, long = memory_lengths(seed)
+    if len(naive) != 2:
+        raise GraderFault(f"naive attention's peaks could not be measured: {naive}")
     if naive[1] / naive[0] <= NAIVE_GROWTH:
         return [f"the grader's instrument saw naive attention grow only x{naive[1] / naive[0]:.2f}: not measured"]
     failures = []
