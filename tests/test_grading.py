@@ -494,6 +494,47 @@ def test_the_grader_reports_the_reason_of_a_failing_job(tmp_path):
     assert verdicts["test_data"].status == "fail" and "baseline's own configuration" in verdicts["test_data"].reasons[0]
 
 
+def test_one_trusted_process_grades_the_notebooks_of_a_lab_one_after_another(tmp_path):
+    """Two notebooks of lab 12 in one process, each with its own verdicts; a notebook of another lab in a fresh one."""
+    from perflab.grading.trusted_process import TrustedGrader
+
+    def job(lab: str, handed: dict) -> dict:
+        return {"lab": lab, "cells": {"course": {}, "learner": {}}, "cache_dir": str(tmp_path), "handed_in": handed}
+
+    naive = {"data_config": {"TrainConfig": {**dataclasses.asdict(NAIVE), "name": "x"}}}
+    first = TrustedGrader.for_job(job("lab12_capstone", {}), env=None)
+    try:
+        verdicts = [
+            first.grade(job("lab12_capstone", handed), timeout=120, log=lambda line: None)
+            for handed in ({"test_regrade": {"error": "no answer reached the grader"}}, {"test_data": naive})
+        ]
+        assert TrustedGrader.for_job(job("lab12_capstone", {}), env=None) is first
+        assert Verdict.from_dict(verdicts[0]["test_regrade"]) == Verdict.refused("no answer reached the grader")
+        assert (
+            list(verdicts[1]) == ["test_data"]
+            and "baseline's own configuration" in verdicts[1]["test_data"]["reasons"][0]
+        )
+        other = TrustedGrader.for_job(job("lab04_amp", {}), env=None)
+        assert other is not first and first.process.poll() == 0, "the lab before ended at the end of its input"
+    finally:
+        TrustedGrader._live.close()
+
+
+def test_between_jobs_the_trusted_process_forgets_what_a_job_imported_from_its_folder(tmp_path, monkeypatch):
+    from perflab.grading.session import _forget_imports
+
+    (tmp_path / "problem_of_a_job.py").write_text("ANSWER = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    import colorsys  # noqa: F401 - the standard library's: trusted, stays
+    import json as already_there  # noqa: F401 - loaded before, stays
+
+    import problem_of_a_job  # noqa: F401
+
+    _forget_imports(before, (os.path.dirname(os.__file__) + os.sep,))
+    assert "problem_of_a_job" not in sys.modules and "colorsys" in sys.modules
+
+
 def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():
     from perflab.grading.code_labs import _interleaved, _ratio_text, measure_until_decided
 
@@ -522,7 +563,7 @@ def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():
 
 def _stand_in_grader(monkeypatch, script: str) -> None:
     """The trusted grading process replaced by ``script``, to see what the instructor's side makes of it."""
-    monkeypatch.setattr("perflab.grading.nbgrader.trusted_python", lambda module: [sys.executable, "-c", script])
+    monkeypatch.setattr("perflab.grading.trusted_process.trusted_python", lambda module: [sys.executable, "-c", script])
 
 
 def test_a_grader_that_floods_its_pipes_and_hangs_is_stopped_at_its_limit(monkeypatch):

@@ -96,7 +96,7 @@ print(json.dumps({{"{cell}": verdict}}))
 )
 def test_a_lent_grader_that_times_runs_on_every_core(tmp_path, monkeypatch, lab, cell, threads):
     probe = _PROBE.format(verdict=Verdict.refused("probe").to_dict(), cell=cell)
-    monkeypatch.setattr("perflab.grading.nbgrader.trusted_python", lambda module: [sys.executable, "-c", probe])
+    monkeypatch.setattr("perflab.grading.trusted_process.trusted_python", lambda module: [sys.executable, "-c", probe])
     monkeypatch.setenv(LOCK_VARIABLE, str(tmp_path / "machine.lock"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     lent_machine.cache_clear()

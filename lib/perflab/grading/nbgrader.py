@@ -27,9 +27,7 @@ import json
 import os
 import platform
 import shutil
-import signal
 import stat
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +42,8 @@ from traitlets import Bool, Integer
 from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.answers import AnswerError, handed_in
 from perflab.grading.machine_lock import LOCK_VARIABLE, lent_machine, uncapped
-from perflab.grading.sandbox import require_sandbox, sandbox_command, trusted_python
+from perflab.grading.sandbox import require_sandbox, sandbox_command
+from perflab.grading.trusted_process import GraderStopped, TrustedGrader
 from perflab.grading.verdict import Verdict
 
 __all__ = ["AUTOGRADE_PREPROCESSORS", "SandboxedExecute", "SandboxedKernelManager", "TrustedMeasurement"]
@@ -369,63 +368,20 @@ class TrustedMeasurement(NbGraderPreprocessor):
         return None
 
     def _run(self, job: dict) -> dict[str, Verdict]:
-        """The verdicts of the trusted grading process; "grading failed" for every cell if it fails or runs too long.
-
-        Its output goes to files, never to pipes that could fill while nobody reads them, and at the
-        deadline its whole process group is killed, whatever it is doing. On a machine lent to this
-        grading, a grader that times answers runs on every core: it has the machine alone while it times.
-        """
+        """The verdicts of the trusted grading process (:mod:`perflab.grading.trusted_process`, one for the notebooks of
+        a lab); "grading failed" for every cell if it fails or runs too long. On a machine lent to this grading, a
+        grader that times answers runs on every core: it has the machine alone while it times."""
         env = None
         if lent_machine() and set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())):
             env = uncapped(os.environ)
-        with (
-            tempfile.TemporaryFile("w+") as job_file,
-            tempfile.TemporaryFile("w+") as out,
-            tempfile.NamedTemporaryFile("w+", prefix="perflab-grader-") as errors,
-        ):
-            json.dump(job, job_file)
-            job_file.seek(0)
-            process = subprocess.Popen(
-                trusted_python("perflab.grading.session"),
-                stdin=job_file,
-                stdout=out,
-                stderr=errors,
-                text=True,
-                start_new_session=True,
-                env=env,
-            )
-            returncode = self._wait_logging(process, errors.name)
-            out.seek(0)
-            output = out.read()
-            if returncode is None:
-                failure = f"the grader ran past its limit of {self.timeout} s and was stopped"
-            elif returncode != 0:
-                failure = f"the grader itself failed (exit {returncode})"
-            else:
-                try:
-                    verdicts = json.loads(output.splitlines()[-1])
-                    return {cell: Verdict.from_dict(fields) for cell, fields in verdicts.items()}
-                except (ValueError, IndexError, KeyError, TypeError, AttributeError) as error:
-                    failure = f"the grader's verdicts could not be read ({type(error).__name__})"
-            errors.seek(0)
-            self.log.error("%s:\n%s", failure, errors.read()[-4000:])
+        grader = TrustedGrader.for_job(job, env)
+        try:
+            verdicts = grader.grade(job, timeout=self.timeout, log=self.log.info)
+            return {cell: Verdict.from_dict(fields) for cell, fields in verdicts.items()}
+        except GraderStopped as stopped:
+            failure = str(stopped)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            grader.close(at_once=True)
+            failure = f"the grader's verdicts could not be read ({type(error).__name__})"
+        self.log.error("%s:\n%s", failure, grader.what_it_said())
         return {grade_id: Verdict.grading_failed(f"{failure}; tell your instructor") for grade_id in job["handed_in"]}
-
-    def _wait_logging(self, process: subprocess.Popen, errors: str) -> int | None:
-        """Wait for ``process``, logging the ``grader:`` progress lines of its ``errors`` file as they come; None if it
-        ran past the limit (then its whole process group is killed)."""
-        deadline, pending = time.monotonic() + self.timeout, ""
-        with open(errors, errors="replace") as reader:  # a reader of its own: the writer's file offset is not ours
-            while True:
-                returncode = process.poll()
-                *lines, pending = (pending[-10_000:] + reader.read()).split("\n")
-                for line in lines:
-                    if line.startswith("grader: "):
-                        self.log.info(line[:500])
-                if returncode is not None:
-                    return returncode
-                if time.monotonic() > deadline:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                    return None
-                time.sleep(0.2)

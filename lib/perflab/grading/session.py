@@ -1,20 +1,25 @@
-"""The trusted grading process: one notebook's measured cells in, one verdict per cell out (JSON).
+"""The trusted grading process: a job per line in (one notebook's cells decided outside the kernel), a line of verdicts
+out per job (JSON), until its input ends.
 
-    $ python -I -S -c '...' perflab.grading.session < job.json     # started by TrustedMeasurement
+    $ python -I -S -c '...' perflab.grading.session < jobs.jsonl     # started by perflab.grading.trusted_process
 
-The job names the lab and holds the course's cells (from the instructor's source notebook), the
+A job names the lab and holds the course's cells (from the instructor's source notebook), the
 learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
-in. Progress goes to stderr as ``grader: ...`` lines; the verdicts are the last line of stdout. On a
-machine lent to the grading (:mod:`perflab.grading.machine_lock`) it holds a share of the machine's
-lock while it runs, and has the machine alone while it times answers (``LoadMeter``).
+in. Progress goes to stderr as ``grader: ...`` lines, and so does anything else written to the
+standard output: the verdicts have the original one to themselves. A job that raises ends the
+process (its traceback on stderr). Between jobs, the modules the course's cells imported from their
+working folders are dropped (``_forget_imports``), and its folder and import path restored. On a machine lent to the grading
+(:mod:`perflab.grading.machine_lock`) it holds a share of the machine's lock while it grades a job,
+and has the machine alone while it times answers (``LoadMeter``).
 
-Used by perflab.grading.nbgrader, which starts it as the trusted grading process.
+Used by perflab.grading.trusted_process, which starts it for TrustedMeasurement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from perflab.grading import MEASURED_CELLS
@@ -68,11 +73,30 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
     return verdicts
 
 
+def _forget_imports(before: set[str], trusted: tuple[str, ...]) -> None:
+    """Drop the modules imported since ``before`` from outside the ``trusted`` folders (a lab's ``problem.py`` in a
+    job's working folder): the next job imports its own. What torch and perflab loaded stays, as it would be the same."""
+    for name in set(sys.modules) - before:
+        path = getattr(sys.modules[name], "__file__", None)
+        if path and not os.path.realpath(path).startswith(trusted):
+            del sys.modules[name]
+
+
 def main() -> None:
-    job = json.loads(sys.stdin.read())
-    with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
-        verdicts = _grade_job(job, log=lambda line: print(f"grader: {line}", file=sys.stderr, flush=True))
-    print(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}))
+    verdicts_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else writes to the standard output: to stderr
+    trusted = tuple(os.path.realpath(folder) + os.sep for folder in sys.path if folder)
+    folder, path = os.getcwd(), list(sys.path)
+    for line in sys.stdin:
+        job = json.loads(line)
+        before = set(sys.modules)
+        with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
+            verdicts = _grade_job(job, log=lambda text: print(f"grader: {text}", file=sys.stderr, flush=True))
+        verdicts_out.write(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}) + "\n")
+        verdicts_out.flush()
+        _forget_imports(before, trusted)
+        os.chdir(folder)
+        sys.path[:] = path
 
 
 if __name__ == "__main__":
