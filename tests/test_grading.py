@@ -520,19 +520,27 @@ def test_one_trusted_process_grades_the_notebooks_of_a_lab_one_after_another(tmp
         TrustedGrader._live.close()
 
 
-def test_between_jobs_the_trusted_process_forgets_what_a_job_imported_from_its_folder(tmp_path, monkeypatch):
-    from perflab.grading.session import _forget_imports
+def test_after_a_job_the_trusted_process_is_put_back_as_it_was(tmp_path, monkeypatch):
+    from perflab.grading.session import _FreshState
 
     (tmp_path / "problem_of_a_job.py").write_text("ANSWER = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = set(sys.modules)
+    monkeypatch.setattr(sys, "path", [os.path.dirname(os.__file__), *sys.path])  # trusted: the standard library first
+    threads = torch.get_num_threads()
+    fresh = _FreshState()
+    before = torch.rand(3)
+    sys.path.insert(0, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    os.environ["PERFLAB_SET_BY_A_JOB"] = "1"
     import colorsys  # noqa: F401 - the standard library's: trusted, stays
-    import json as already_there  # noqa: F401 - loaded before, stays
 
     import problem_of_a_job  # noqa: F401
 
-    _forget_imports(before, (os.path.dirname(os.__file__) + os.sep,))
+    torch.set_num_threads(1)
+    fresh.restore()
     assert "problem_of_a_job" not in sys.modules and "colorsys" in sys.modules
+    assert str(tmp_path) not in sys.path and os.getcwd() != str(tmp_path)
+    assert "PERFLAB_SET_BY_A_JOB" not in os.environ and torch.get_num_threads() == threads
+    assert torch.equal(torch.rand(3), before), "the random state as it was before the job"
 
 
 def test_a_wrong_result_ends_the_rounds_and_fails_whatever_its_time():

@@ -49,8 +49,9 @@ __all__ = ["AMP_MARGIN", "AMP_STEPS", "BATCH_SPEEDUP", "DATA_SPEEDUP", "HANDED_I
 
 # Part 2: decode once, no per-step syncs, same batch. The course's data_config measured 2.11x the baseline on a 2-core
 # EPYC (90% CI 2.01x-2.35x), but 1.42x (1.36x-1.48x) with two thirds of one core's time for both threads (.ci/slowed's
-# cgroup), where the decoding, on one thread, slows less than the two-thread convolutions; and 1.26x-1.43x there beside
-# other gradings, inconclusive against a bar of 1.3x (torch 2.15.0, 2026-11-30). A pipeline left as it was measures 1x.
+# cgroup), probably because the decoding, on one thread, slows less there than the two-thread convolutions; and there,
+# beside other gradings, 90% CI 1.26x-1.43x: inconclusive against a bar of 1.3x (torch 2.15.0, 2026-11-30). A
+# configuration that changes nothing is refused before anything is timed (1.00x).
 DATA_SPEEDUP = 1.2
 BATCH_SPEEDUP = 1.2  # part 3: a larger batch over part 2's pipeline
 AMP_STEPS = 12  # part 4 compares a few steps: a low-precision epoch takes minutes on a CPU without bf16 units

@@ -168,8 +168,8 @@ def child_probe(namespace: dict, payload: bytes, *, lab: str, check: str, seed: 
 
 
 def _reference(module, cells: dict) -> dict:
-    """The namespace of the course's cells, run here, its reference solution included; what they print is dropped, as
-    this process's standard output carries its verdicts."""
+    """The namespace of the course's cells, run here, its reference solution included; what they print is dropped:
+    nobody reads it."""
     with contextlib.redirect_stdout(io.StringIO()):
         return run_cells({name: as_python(cells["course"][name]) for name in module.CELLS}, list(module.CELLS))
 

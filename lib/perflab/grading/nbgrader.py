@@ -368,13 +368,13 @@ class TrustedMeasurement(NbGraderPreprocessor):
         return None
 
     def _run(self, job: dict) -> dict[str, Verdict]:
-        """The verdicts of the trusted grading process (:mod:`perflab.grading.trusted_process`, one for the notebooks of
-        a lab); "grading failed" for every cell if it fails or runs too long. On a machine lent to this grading, a
-        grader that times answers runs on every core: it has the machine alone while it times."""
+        """The verdicts of the trusted grading process (:mod:`perflab.grading.trusted_process`, kept for consecutive
+        notebooks of a lab); "grading failed" for every cell if it fails or runs too long. On a machine lent to this
+        grading, a grader that times answers runs on every core: it has the machine alone while it times."""
         env = None
         if lent_machine() and set(job["handed_in"]) & set(MEASURED_CELLS.get(job.get("lab"), ())):
             env = uncapped(os.environ)
-        grader = TrustedGrader.for_job(job, env)
+        grader = TrustedGrader.for_job(job, env, log=self.log.warning)
         try:
             verdicts = grader.grade(job, timeout=self.timeout, log=self.log.info)
             return {cell: Verdict.from_dict(fields) for cell, fields in verdicts.items()}
@@ -383,5 +383,5 @@ class TrustedMeasurement(NbGraderPreprocessor):
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             grader.close(at_once=True)
             failure = f"the grader's verdicts could not be read ({type(error).__name__})"
-        self.log.error("%s:\n%s", failure, grader.what_it_said())
+        self.log.error("%s:\n%s", failure, grader.said())
         return {grade_id: Verdict.grading_failed(f"{failure}; tell your instructor") for grade_id in job["handed_in"]}

@@ -7,8 +7,8 @@ A job names the lab and holds the course's cells (from the instructor's source n
 learner's answer cells (as nbgrader stored them) and the answers the hidden test cells handed
 in. Progress goes to stderr as ``grader: ...`` lines, and so does anything else written to the
 standard output: the verdicts have the original one to themselves. A job that raises ends the
-process (its traceback on stderr). Between jobs, the modules the course's cells imported from their
-working folders are dropped (``_forget_imports``), and its folder and import path restored. On a machine lent to the grading
+process (its traceback on stderr). After each job, what the course's cells may have changed of the process is put
+back as it was before the first (``_FreshState``). On a machine lent to the grading
 (:mod:`perflab.grading.machine_lock`) it holds a share of the machine's lock while it grades a job,
 and has the machine alone while it times answers (``LoadMeter``).
 
@@ -18,6 +18,7 @@ Used by perflab.grading.trusted_process, which starts it for TrustedMeasurement.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -73,30 +74,55 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
     return verdicts
 
 
-def _forget_imports(before: set[str], trusted: tuple[str, ...]) -> None:
-    """Drop the modules imported since ``before`` from outside the ``trusted`` folders (a lab's ``problem.py`` in a
-    job's working folder): the next job imports its own. What torch and perflab loaded stays, as it would be the same."""
-    for name in set(sys.modules) - before:
-        path = getattr(sys.modules[name], "__file__", None)
-        if path and not os.path.realpath(path).startswith(trusted):
-            del sys.modules[name]
+class _FreshState:
+    """What a job may change of this process, kept as it was before the first job and put back after each: the modules
+    imported from outside the ``trusted`` folders (a lab's ``problem.py`` in a job's working folder) are dropped, the
+    folder, import path, environment, torch's threads and random state and dynamo's caches restored. What torch and
+    perflab loaded stays loaded."""
+
+    def __init__(self):
+        self.trusted = tuple(os.path.realpath(folder) + os.sep for folder in sys.path if folder)
+        self.modules, self.folder, self.path, self.environ = (
+            set(sys.modules),
+            os.getcwd(),
+            list(sys.path),
+            dict(os.environ),
+        )
+        import torch  # every job's lab needs it: loaded once, before the first job, in a fresh state
+
+        self.threads, self.rng = torch.get_num_threads(), torch.random.get_rng_state()
+
+    def restore(self) -> None:
+        for name in set(sys.modules) - self.modules:
+            path = getattr(sys.modules[name], "__file__", None)
+            if path and not os.path.realpath(path).startswith(self.trusted):
+                del sys.modules[name]
+        os.chdir(self.folder)
+        sys.path[:] = self.path
+        os.environ.clear()
+        os.environ.update(self.environ)
+        import torch
+
+        torch.set_num_threads(self.threads)
+        torch.random.set_rng_state(self.rng)
+        if "torch._dynamo" in sys.modules:  # a learner's compiled configuration must not find another's recompilations
+            torch._dynamo.reset()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        gc.collect()
 
 
 def main() -> None:
     verdicts_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else writes to the standard output: to stderr
-    trusted = tuple(os.path.realpath(folder) + os.sep for folder in sys.path if folder)
-    folder, path = os.getcwd(), list(sys.path)
+    fresh = _FreshState()
     for line in sys.stdin:
         job = json.loads(line)
-        before = set(sys.modules)
         with lent_machine().shared() if lent_machine() else contextlib.nullcontext():
             verdicts = _grade_job(job, log=lambda text: print(f"grader: {text}", file=sys.stderr, flush=True))
         verdicts_out.write(json.dumps({cell: verdict.to_dict() for cell, verdict in verdicts.items()}) + "\n")
         verdicts_out.flush()
-        _forget_imports(before, trusted)
-        os.chdir(folder)
-        sys.path[:] = path
+        fresh.restore()
 
 
 if __name__ == "__main__":
