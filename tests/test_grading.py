@@ -517,7 +517,8 @@ def test_one_trusted_process_grades_the_notebooks_of_a_lab_one_after_another(tmp
         other = TrustedGrader.for_job(job("lab04_amp", {}), env=None)
         assert other is not first and first.process.poll() == 0, "the lab before ended at the end of its input"
     finally:
-        TrustedGrader._live.close()
+        if TrustedGrader._live is not None:
+            TrustedGrader._live.close()
 
 
 def test_after_a_job_the_trusted_process_is_put_back_as_it_was(tmp_path, monkeypatch):

@@ -216,13 +216,15 @@ def _autograde_all(course: NbgraderCourse, env: dict[str, str], timeout: int) ->
     `autograde "*"` would hand them over a student at a time. A command stopped at the bound leaves the seconds of what
     was graded (the last one's until it was stopped) in build/grading-times-stopped-<folder>.tsv, to show where the time
     went."""
-    deadline, seconds = time.monotonic() + timeout, {}
+    deadline, seconds, failed = time.monotonic() + timeout, {}, []
     for lab in sorted({path.name for path in (course.root / "submitted").glob("*/*")}):
         try:
             remaining = max(1, int(deadline - time.monotonic()))
             seconds.update(
                 _grading_seconds(course.run("autograde", lab, "--force", *_TIMESTAMPED_LOG, timeout=remaining, env=env))
             )
+        except AssertionError as error:  # nbgrader failed on this lab: grade the others, then say so
+            failed.append(str(error)[-2000:])
         except subprocess.TimeoutExpired as stopped:
             log = stopped.stderr.decode(errors="replace") if isinstance(stopped.stderr, bytes) else stopped.stderr or ""
             seconds.update(_grading_seconds(log))
@@ -234,6 +236,7 @@ def _autograde_all(course: NbgraderCourse, env: dict[str, str], timeout: int) ->
                 "\n".join(lines) + "\n"
             )
             raise
+    assert not failed, "\n".join(failed)
     return seconds
 
 

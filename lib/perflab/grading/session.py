@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
 import sys
+import warnings
 
 from perflab.grading import MEASURED_CELLS
 from perflab.grading.answers import AnswerError
@@ -76,38 +78,56 @@ def _grade_job(job: dict, log) -> dict[str, Verdict]:
 
 class _FreshState:
     """What a job may change of this process, kept as it was before the first job and put back after each: the modules
-    imported from outside the ``trusted`` folders (a lab's ``problem.py`` in a job's working folder) are dropped, the
-    folder, import path, environment, torch's threads and random state and dynamo's caches restored. What torch and
-    perflab loaded stays loaded."""
+    imported from outside the ``trusted`` folders (a lab's ``problem.py`` in a job's working folder) are dropped; the
+    folder, import path, environment variables and warning filters, and torch's threads, random states, grad mode,
+    default dtype, float32 matmul precision and compilation caches are restored. What torch and perflab loaded stays
+    loaded. A job's other changes (a replaced attribute of a module kept, a module made in memory, a thread left
+    running) would stay: the course's cells make none of them."""
 
     def __init__(self):
-        self.trusted = tuple(os.path.realpath(folder) + os.sep for folder in sys.path if folder)
-        self.modules, self.folder, self.path, self.environ = (
-            set(sys.modules),
-            os.getcwd(),
-            list(sys.path),
-            dict(os.environ),
-        )
-        import torch  # every job's lab needs it: loaded once, before the first job, in a fresh state
+        import torch  # every job's lab needs it: loaded once, before the first job
 
-        self.threads, self.rng = torch.get_num_threads(), torch.random.get_rng_state()
+        self.trusted = tuple(os.path.realpath(folder) + os.sep for folder in sys.path if folder)
+        self.modules, self.folder, self.path = set(sys.modules), os.getcwd(), list(sys.path)
+        self.environ, self.warnings = dict(os.environ), list(warnings.filters)
+        self.threads, self.rng, self.grad = (
+            torch.get_num_threads(),
+            torch.random.get_rng_state(),
+            torch.is_grad_enabled(),
+        )
+        self.dtype, self.precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
+        self.seed = torch.initial_seed()
+
+    def _from_a_job(self, module) -> bool:
+        """Whether a module imported during a job was loaded from outside the trusted folders (a file, or a namespace
+        package's folders); one made in memory (torch makes some) is kept, as a fresh import would not make it again."""
+        places = [module.__file__] if getattr(module, "__file__", None) else list(getattr(module, "__path__", []) or [])
+        return any(not os.path.realpath(place).startswith(self.trusted) for place in places)
 
     def restore(self) -> None:
-        for name in set(sys.modules) - self.modules:
-            path = getattr(sys.modules[name], "__file__", None)
-            if path and not os.path.realpath(path).startswith(self.trusted):
-                del sys.modules[name]
-        os.chdir(self.folder)
-        sys.path[:] = self.path
-        os.environ.clear()
-        os.environ.update(self.environ)
         import torch
 
+        for name in set(sys.modules) - self.modules:
+            if self._from_a_job(sys.modules[name]):
+                del sys.modules[name]
+        importlib.invalidate_caches()
+        os.chdir(self.folder)
+        sys.path[:] = self.path
+        for name in set(os.environ) - set(self.environ):
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        warnings.filters[:] = self.warnings
         torch.set_num_threads(self.threads)
         torch.random.set_rng_state(self.rng)
+        torch.set_grad_enabled(self.grad)
+        torch.set_default_dtype(self.dtype)
+        torch.set_float32_matmul_precision(self.precision)
         if "torch._dynamo" in sys.modules:  # a learner's compiled configuration must not find another's recompilations
             torch._dynamo.reset()
         if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(self.seed)
             torch.cuda.empty_cache()
         gc.collect()
 

@@ -4,7 +4,7 @@
     grader.grade(job, timeout=1800, log=print)                 # {grade_id: {...verdict...}}, or raises GraderStopped
 
 Starting the trusted process (``python -I -S``, then torch) costs seconds. One process therefore
-grades consecutive notebooks of one lab, as ``nbgrader autograde lab05`` hands them over, one job
+grades consecutive notebooks of one lab, as ``nbgrader autograde lab05_memory`` hands them over, one job
 after another (:mod:`perflab.grading.session` reads a job per line and writes a line of verdicts
 per job); a notebook of another lab, or one that needs another environment, gets a fresh one. It
 runs only the course's code: each learner's cells run in sandboxed children of their own, and
@@ -59,7 +59,7 @@ class TrustedGrader:
     def __init__(self, key: tuple, env: dict[str, str] | None):
         self.key = key
         (out, self._out), (errors, self._errors) = _file_pair(), _file_pair()
-        self._pending, self._said = "", ""
+        self._pending, self._said, self._closed = "", "", False
         with out, errors:
             self.process = subprocess.Popen(
                 trusted_python("perflab.grading.session"),
@@ -146,6 +146,9 @@ class TrustedGrader:
     def close(self, *, at_once: bool = False) -> None:
         """End the process (its whole group: the children it started): an idle one at the end of its input, within 5 s,
         or ``at_once``; then drop its files."""
+        if self._closed:
+            return
+        self._closed = True
         if self.process.poll() is None and not at_once:
             with contextlib.suppress(OSError):
                 self.process.stdin.close()
