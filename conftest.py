@@ -59,15 +59,21 @@ _THREADS_CAPPED: dict[str, int] = {}
 
 @contextlib.contextmanager
 def _every_core():
-    """Within the block, this process and what it starts run on every core: a measurement has the machine alone."""
+    """Within the block, this process and what it starts run on every core (as many as a CPU quota serves): a
+    measurement has the machine alone."""
     if not _THREADS_CAPPED:
         yield
         return
+    from perflab.cpu_quota import usable_cores  # torch is loaded by now: a test runs
+
+    every = usable_cores()  # under a CPU quota (.ci/slowed's cgroup), the cores it serves
     for name in _THREAD_CAPS:
         os.environ.pop(name, None)
+    if every < _THREADS_CAPPED["cores"]:
+        os.environ.update({name: str(every) for name in _THREAD_CAPS})
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(_THREADS_CAPPED["cores"])
+        torch.set_num_threads(every)
     try:
         yield
     finally:

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 import torch
+from perflab.cpu_quota import usable_cores
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+CORES = usable_cores()  # the cores a measurement alone runs on: the affinity's, or fewer under a CPU quota
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ do in a few seconds: see :mod:`perflab.doctor`.
 
 Instruments live in small modules, one concept each: ``device``, ``bench``, ``doctor``,
 ``profiling``, ``diagnose``, ``planted``, ``cpu_clock``, ``sm_activity``, ``annotation_cost`` (what a
-profiler's marks cost), ``native_logs`` (torch's log lines a learner need not read), ``memory``,
+profiler's marks cost), ``native_logs`` (torch's log lines a learner need not read), ``cpu_quota`` (the cores a container's quota serves), ``memory``,
 ``memory_budget``, ``tradeoff``, ``floats``,
 ``roofline`` (FLOPs, bytes, MFU), ``amp``, ``training_state``, ``compiling``, ``launches``, ``distributed`` (its ranks run through ``rank_process``), ``sharding``, ``pipeline_schedule`` (drawn by ``pipeline_plots``), ``attention``; the course's workloads in
 ``data``, ``models``, ``pipeline`` and ``train``; the input pipeline's instruments in ``ceiling``,
@@ -31,6 +31,7 @@ Used in: every notebook, lectures 01-11 and labs 01-12.
 import os as _os
 import sys as _sys
 
+from perflab import cpu_quota as _cpu_quota
 from perflab import native_logs as _native_logs
 from perflab import torch_features as _torch_features
 from perflab.bench import Comparison, Timing, benchmark, compare
@@ -40,6 +41,9 @@ from perflab.doctor import doctor
 
 __version__ = "0.1.0"
 __all__ = ["Comparison", "SyncCounter", "Timing", "benchmark", "compare", "doctor", "pick_device", "synchronize"]
+
+# Under a container's CPU quota, torch's threads as many as the quota serves (perflab.cpu_quota says why).
+_cpu_quota.fit_threads_to_quota()
 
 # torch's uninformative log lines out of what a learner reads (perflab.native_logs says which and why); in a
 # Jupyter kernel also the C++ ones. PERFLAB_NATIVE_LOGS=keep leaves fd 2 untouched, to see them all.

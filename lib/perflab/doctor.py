@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from perflab.bench import benchmark, format_seconds
+from perflab.cpu_quota import usable_cores
 from perflab.device import device_name, pick_device
 from perflab.render import Table
 from perflab.torch_features import FEATURES, SUPPORTED, TESTED, in_supported_range
@@ -93,11 +94,10 @@ def _host_memory_gib() -> float | None:
 
 def machine_checks(device: torch.device) -> list[Check]:
     memory = _host_memory_gib()
-    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     checks = [
         Check("machine", "device", str(device)),
         Check("machine", "CPU", f"{device_name('cpu')} ({torch.backends.cpu.get_cpu_capability()})"),
-        Check("machine", "CPU cores usable / torch threads", f"{usable_cores} / {torch.get_num_threads()}"),
+        Check("machine", "CPU cores usable / torch threads", f"{usable_cores()} / {torch.get_num_threads()}"),
         Check("machine", "host memory", f"{memory:.1f} GiB" if memory else "unknown"),
     ]
     if device.type == "cuda":

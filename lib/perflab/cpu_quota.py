@@ -1,0 +1,108 @@
+"""The cores this process may keep busy: its CPU affinity, capped by a cgroup CPU quota, which torch ignores.
+
+    >>> from perflab.cpu_quota import quota_cores, usable_cores
+    >>> usable_cores() >= 1
+    True
+    >>> quota_cores() is None or quota_cores() > 0          # None where no quota limits this process
+    True
+
+A container's CPU limit (Docker's ``--cpus``, a Kubernetes limit, Binder's, a CI runner's) is usually a
+bandwidth quota: the process may use that many cores' worth of CPU time per period, on any of the host's
+cores. It leaves the affinity alone, so torch, which starts one thread per core it may run on, starts
+more threads than the quota serves. The threads of a parallel region then wait on one another while the
+scheduler has frozen some of them, and an idle OpenMP thread's spinning is taken from the quota too.
+Measured on a 2-core EPYC in a cgroup allowed two thirds of one core (torch 2.15, 2026-11-30), lab 12's
+data_config against the naive baseline (``perflab.grading.capstone_lab``, five interleaved epochs each):
+307 s and 205 CPU seconds on torch's two threads, 44 s and 29 CPU seconds on one; 22 s quiet.
+
+:func:`fit_threads_to_quota` (run when perflab is imported) gives torch, and the processes this one starts,
+as many threads as the quota serves (at least one), unless ``OMP_NUM_THREADS`` already says how many.
+Other projects that run torch in containers do the same (Unity's ML-Agents:
+https://github.com/Unity-Technologies/ml-agents/pull/4471).
+
+Used by perflab (at import), perflab.doctor and the test suite (conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+__all__ = ["fit_threads_to_quota", "quota_cores", "usable_cores"]
+
+_THREAD_VARIABLE = "OMP_NUM_THREADS"
+
+
+def _affinity() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _quota_in(folder: Path, version: int) -> float | None:
+    """Cores' worth of the quota set on the cgroup ``folder`` itself, None if it sets none (or it cannot be read)."""
+    try:
+        if version == 2:
+            quota, period = (folder / "cpu.max").read_text().split()
+        else:
+            quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def quota_cores(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """The tightest CPU quota on this process's cgroup and the cgroups above it, in cores (0.5: half a core's time);
+    None when none is set or none can be read (no cgroups, another OS, a sandbox without ``/sys``).
+
+    ``proc_cgroup`` and ``root`` are there for tests: a folder laid out like ``/sys/fs/cgroup``.
+    """
+    root = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: one hierarchy
+            mounts, version = [root, root / "unified"], 2
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's hierarchy
+            mounts, version = [root / controllers, root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"], 1
+        else:
+            continue
+        for mount in dict.fromkeys(mounts):
+            folder = mount / path.lstrip("/")
+            while True:  # the cgroup, then each one above it: a parent's quota limits its children too
+                quota = _quota_in(folder, version)
+                if quota is not None:
+                    quotas.append(quota)
+                if folder == mount:
+                    break
+                folder = folder.parent
+    return min(quotas) if quotas else None
+
+
+def usable_cores() -> int:
+    """The cores' worth of CPU this process may use: its affinity, or fewer under a quota (rounded down, at least
+    one: one thread more than the quota serves gets the whole group throttled)."""
+    quota = quota_cores()
+    cores = _affinity()
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))
+
+
+def fit_threads_to_quota() -> int | None:
+    """Under a CPU quota that serves fewer cores than torch has threads, and with ``OMP_NUM_THREADS`` unset: set
+    torch's threads, and ``OMP_NUM_THREADS`` for the processes this one starts, to :func:`usable_cores`. Returns
+    the threads set, or None where nothing changed."""
+    import torch
+
+    if os.environ.get(_THREAD_VARIABLE):
+        return None
+    cores = usable_cores()
+    if cores >= torch.get_num_threads():
+        return None
+    os.environ[_THREAD_VARIABLE] = str(cores)
+    torch.set_num_threads(cores)
+    return cores
