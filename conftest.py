@@ -43,8 +43,11 @@ _THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 def _cap_threads_to_a_share(workers: int) -> None:
     """Give this xdist worker, and every process it starts, its share of the cores in threads: two workers on two
     cores each running torch on two threads leave every parallel region waiting for a descheduled thread (lecture 03's
-    data loading measured 6-8x slower beside two busy processes, not 2x)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    data loading measured 6-8x slower beside two busy processes, not 2x). The cores are those a CPU quota serves,
+    where one limits the machine (perflab.cpu_quota: .ci/slowed's cgroup)."""
+    from perflab.cpu_quota import usable_cores
+
+    cores = usable_cores()
     share = max(1, cores // workers)
     if share >= cores:
         return
@@ -64,12 +67,11 @@ def _every_core():
     if not _THREADS_CAPPED:
         yield
         return
-    from perflab.cpu_quota import usable_cores  # torch is loaded by now: a test runs
-
-    every = usable_cores()  # under a CPU quota (.ci/slowed's cgroup), the cores it serves
+    every = _THREADS_CAPPED["cores"]
     for name in _THREAD_CAPS:
         os.environ.pop(name, None)
-    if every < _THREADS_CAPPED["cores"]:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if every < affinity:  # a CPU quota serves fewer cores than the processes started here would see
         os.environ.update({name: str(every) for name in _THREAD_CAPS})
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -155,7 +157,13 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config._perflab_threads_preset = [name for name in _THREAD_CAPS if name in os.environ]
+    # Caps set before pytest started stay; not the count perflab's import fitted to a CPU quota (perflab.cpu_quota).
+    fitted = os.environ.get("PERFLAB_THREADS_FITTED")
+    config._perflab_threads_preset = [
+        name
+        for name in _THREAD_CAPS
+        if name in os.environ and not (name == "OMP_NUM_THREADS" and os.environ[name] == fitted)
+    ]
     if hasattr(config, "workerinput") and not config._perflab_threads_preset:  # caps set before pytest started stay
         _cap_threads_to_a_share(config.workerinput["workercount"])
     config._perflab_machine = _machine(config)

@@ -46,15 +46,17 @@ def test_a_cgroup_v1_quota_is_read_from_the_cpu_controllers_hierarchy(tmp_path):
 )
 def test_no_quota_where_none_is_set_or_none_can_be_read(tmp_path, files):
     _write(tmp_path / "sys" / "job", **files)
-    assert quota_cores(_proc(tmp_path, "0::/job\n"), tmp_path / "sys") is None
+    assert quota_cores(_proc(tmp_path, "not a cgroup line\n0::/job\n"), tmp_path / "sys") is None
     assert quota_cores(tmp_path / "no-such-file", tmp_path / "sys") is None
 
 
 @pytest.fixture
 def torch_threads(monkeypatch):
-    """torch's threads and OMP_NUM_THREADS put back after the test."""
+    """torch's threads, OMP_NUM_THREADS and PERFLAB_THREADS_FITTED put back after the test."""
     threads = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name in ("OMP_NUM_THREADS", "PERFLAB_THREADS_FITTED"):
+        monkeypatch.setenv(name, "recorded")  # so that monkeypatch puts back what was there, or nothing
+        monkeypatch.delenv(name)
     yield
     torch.set_num_threads(threads)
 
@@ -66,7 +68,11 @@ def test_under_a_quota_torch_gets_the_threads_it_serves(torch_threads, monkeypat
     monkeypatch.setattr(cpu_quota, "quota_cores", lambda: quota)
     assert fit_threads_to_quota() == expected
     assert torch.get_num_threads() == (expected or 3)
-    assert os.environ.get("OMP_NUM_THREADS") == (str(expected) if expected else None)
+    assert (
+        os.environ.get("OMP_NUM_THREADS")
+        == os.environ.get("PERFLAB_THREADS_FITTED")
+        == (str(expected) if expected else None)
+    )
 
 
 def test_threads_the_environment_sets_are_left_alone(torch_threads, monkeypatch):

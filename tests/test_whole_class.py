@@ -27,11 +27,12 @@ LAB = "lab01_timing"
 DASK = str(Path(sys.executable).parent / "dask")
 
 
-# How long grading a class of two or three lab 01 submissions on the two workers may take, a worker killed or the
-# grading interrupted on the way (half of it for the first grading to end): about a minute for four on a quiet 2-core
-# EPYC. A machine three times slower, whose cores the round trip's gradings and the lectures share (a cgroup at a third
-# of its CPU), took over 600 s for four. A grading stuck past it fails the test instead of holding CI. Each test hands
-# in as few submissions as it needs: every grading costs a kernel and a trusted process, thrice that on such a machine.
+# How long grading a class of two or three lab 01 learners (and a few odd submissions) on the two workers may take,
+# a worker killed or the grading interrupted on the way (half of it for the first grading to end): about a minute for
+# four learners on a quiet 2-core EPYC. A machine three times slower, whose cores the round trip's gradings and the
+# lectures share (a cgroup at a third of its CPU), took over 600 s for four. A grading stuck past it fails the test
+# instead of holding CI. Each test hands in as few learners as it needs: every grading costs a kernel and a trusted
+# process, thrice that on such a machine.
 CLASS_GRADING_BOUND_S = 1800
 
 

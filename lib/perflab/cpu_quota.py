@@ -6,18 +6,21 @@
     >>> quota_cores() is None or quota_cores() > 0          # None where no quota limits this process
     True
 
-A container's CPU limit (Docker's ``--cpus``, a Kubernetes limit, Binder's, a CI runner's) is usually a
-bandwidth quota: the process may use that many cores' worth of CPU time per period, on any of the host's
-cores. It leaves the affinity alone, so torch, which starts one thread per core it may run on, starts
-more threads than the quota serves. The threads of a parallel region then wait on one another while the
-scheduler has frozen some of them, and an idle OpenMP thread's spinning is taken from the quota too.
-Measured on a 2-core EPYC in a cgroup allowed two thirds of one core (torch 2.15, 2026-11-30), lab 12's
-data_config against the naive baseline (``perflab.grading.capstone_lab``, five interleaved epochs each):
-307 s and 205 CPU seconds on torch's two threads, 44 s and 29 CPU seconds on one; 22 s quiet.
+A container's CPU limit (Docker's ``--cpus``, a Kubernetes limit, Binder's) is usually a bandwidth quota:
+the process may use that many cores' worth of CPU time per period, on any of the host's cores. It leaves the
+affinity alone, and torch sizes its thread pool from the cores it sees, not from the quota (two threads here, in a
+cgroup allowed two thirds of a core): more threads than the quota serves. The threads of a parallel region then
+wait on one another while the scheduler has frozen some of them, and an idle OpenMP thread's spinning is taken from
+the quota too.
+Measured on a 2-core EPYC in ``.ci/slowed``'s cgroup, two thirds of one core's time in 10 ms periods (torch 2.15,
+2026-11-30), grading lab 12's data_config against the naive baseline (``perflab.grading.capstone_lab``, five
+interleaved one-epoch rounds each, ``/usr/bin/time``): 307 s and 205 CPU seconds on torch's two threads, 44 s and 29
+CPU seconds with ``OMP_NUM_THREADS=1``, 45 s with the threads fitted at import; 22 s without the quota, on two.
 
 :func:`fit_threads_to_quota` (run when perflab is imported) gives torch, and the processes this one starts,
-as many threads as the quota serves (at least one), unless ``OMP_NUM_THREADS`` already says how many.
-Other projects that run torch in containers do the same (Unity's ML-Agents:
+as many threads as the quota (or a narrower affinity) serves, at least one, unless ``OMP_NUM_THREADS`` already
+says how many; ``PERFLAB_THREADS_FITTED`` then names the count it set, so that the test suite can tell it from a
+count a person set. Projects that run torch in containers make a similar fix (Unity's ML-Agents:
 https://github.com/Unity-Technologies/ml-agents/pull/4471).
 
 Used by perflab (at import), perflab.doctor and the test suite (conftest.py).
@@ -29,9 +32,10 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["fit_threads_to_quota", "quota_cores", "usable_cores"]
+__all__ = ["FITTED_VARIABLE", "fit_threads_to_quota", "quota_cores", "usable_cores"]
 
 _THREAD_VARIABLE = "OMP_NUM_THREADS"
+FITTED_VARIABLE = "PERFLAB_THREADS_FITTED"
 
 
 def _affinity() -> int:
@@ -65,7 +69,10 @@ def quota_cores(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path 
         return None
     quotas = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # not a cgroup line
+            continue
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2: one hierarchy
             mounts, version = [root, root / "unified"], 2
         elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's hierarchy
@@ -85,17 +92,17 @@ def quota_cores(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path 
 
 
 def usable_cores() -> int:
-    """The cores' worth of CPU this process may use: its affinity, or fewer under a quota (rounded down, at least
-    one: one thread more than the quota serves gets the whole group throttled)."""
+    """The cores' worth of CPU this process may use: its affinity, or fewer under a quota, rounded down (as Go's
+    automaxprocs does) and at least one."""
     quota = quota_cores()
     cores = _affinity()
     return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
 def fit_threads_to_quota() -> int | None:
-    """Under a CPU quota that serves fewer cores than torch has threads, and with ``OMP_NUM_THREADS`` unset: set
-    torch's threads, and ``OMP_NUM_THREADS`` for the processes this one starts, to :func:`usable_cores`. Returns
-    the threads set, or None where nothing changed."""
+    """Where :func:`usable_cores` (a CPU quota, a narrower affinity) is fewer than torch's threads and
+    ``OMP_NUM_THREADS`` is unset: set torch's threads, and ``OMP_NUM_THREADS`` for the processes this one starts, to
+    it, and :data:`FITTED_VARIABLE` to say so. Returns the threads set, or None where nothing changed."""
     import torch
 
     if os.environ.get(_THREAD_VARIABLE):
@@ -103,6 +110,6 @@ def fit_threads_to_quota() -> int | None:
     cores = usable_cores()
     if cores >= torch.get_num_threads():
         return None
-    os.environ[_THREAD_VARIABLE] = str(cores)
+    os.environ[_THREAD_VARIABLE] = os.environ[FITTED_VARIABLE] = str(cores)
     torch.set_num_threads(cores)
     return cores
