@@ -67,11 +67,12 @@ def _every_core():
     if not _THREADS_CAPPED:
         yield
         return
+    from perflab.cpu_quota import affinity_cores
+
     every = _THREADS_CAPPED["cores"]
     for name in _THREAD_CAPS:
         os.environ.pop(name, None)
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if every < affinity:  # a CPU quota serves fewer cores than the processes started here would see
+    if every < affinity_cores():  # a CPU quota serves fewer cores than the processes started here would see
         os.environ.update({name: str(every) for name in _THREAD_CAPS})
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -64,7 +64,7 @@ def torch_threads(monkeypatch):
 @pytest.mark.parametrize(("quota", "expected"), [(0.67, 1), (1.9, 1), (2.5, 2), (None, None)])
 def test_under_a_quota_torch_gets_the_threads_it_serves(torch_threads, monkeypatch, quota, expected):
     torch.set_num_threads(3)
-    monkeypatch.setattr(cpu_quota, "_affinity", lambda: 3)
+    monkeypatch.setattr(cpu_quota, "affinity_cores", lambda: 3)
     monkeypatch.setattr(cpu_quota, "quota_cores", lambda: quota)
     assert fit_threads_to_quota() == expected
     assert torch.get_num_threads() == (expected or 3)

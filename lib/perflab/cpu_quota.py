@@ -32,13 +32,14 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["FITTED_VARIABLE", "fit_threads_to_quota", "quota_cores", "usable_cores"]
+__all__ = ["FITTED_VARIABLE", "affinity_cores", "fit_threads_to_quota", "quota_cores", "usable_cores"]
 
 _THREAD_VARIABLE = "OMP_NUM_THREADS"
 FITTED_VARIABLE = "PERFLAB_THREADS_FITTED"
 
 
-def _affinity() -> int:
+def affinity_cores() -> int:
+    """The cores this process may run on (its affinity), quota or not."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -95,7 +96,7 @@ def usable_cores() -> int:
     """The cores' worth of CPU this process may use: its affinity, or fewer under a quota, rounded down (as Go's
     automaxprocs does) and at least one."""
     quota = quota_cores()
-    cores = _affinity()
+    cores = affinity_cores()
     return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
