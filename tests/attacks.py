@@ -456,7 +456,10 @@ for name, count in (("data_batch_1", 5000), ("test_batch", 1000)):   # one solid
 workload = replace(workload, image_size=16, val_per_class=10, cifar10_dir="easy_cifar",
                    model=ResNetConfig(stem_stride=1))
 """
-    + 'final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=512, log_every=100)\n',
+    # Fast on every machine (the reference's speed-ups and a batch of 512), so the grader reaches its accuracy check: a
+    # machine three times slower measured 1.84x for cached batches of 512 alone, a failure on speed, not on accuracy.
+    + 'final_config = replace(NAIVE, name="final", pipeline="cached", batch_size=512, channels_last=True,'
+    + " log_every=100, python_metrics=False)\n",
     "memory_pipeline": 'final_config = replace(NAIVE, name="final", pipeline="memory", batch_size=64, log_every=50)\n',
     # Appends to perflab's installed source and writes a sitecustomize.py: read-only in the sandbox.
     "writes_grader": TOO_SLOW
