@@ -36,7 +36,8 @@ def _deprecations_are_errors() -> str:
 
 
 # The variables that cap a process's threads (OpenMP's, MKL's, OpenBLAS's): perflab.grading.machine_lock.THREAD_CAPS,
-# written again because importing perflab loads torch, and a worker caps its threads before torch starts its own.
+# written again because importing perflab loads torch, and pytest_configure reads them in xdist's controller too, which
+# runs no test and need not load it; so is perflab.cpu_quota.FITTED_VARIABLE in pytest_configure.
 _THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -159,7 +160,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     # Caps set before pytest started stay; not the count perflab's import fitted to a CPU quota (perflab.cpu_quota).
-    fitted = os.environ.get("PERFLAB_THREADS_FITTED")
+    fitted = os.environ.get("PERFLAB_THREADS_FITTED")  # perflab.cpu_quota.FITTED_VARIABLE
     config._perflab_threads_preset = [
         name
         for name in _THREAD_CAPS
