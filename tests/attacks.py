@@ -1047,6 +1047,16 @@ def course_cells(lab: str) -> dict[str, str]:
     }
 
 
+def leak_probe_outputs(notebook_path) -> str:
+    """What the graded notebook's leak probe cell printed or raised, to show when the probe did not report nothing."""
+    notebook = nbformat.read(notebook_path, as_version=4)
+    probe = next((cell for cell in notebook.cells if "leak probe found" in cell.source), None)
+    if probe is None:
+        return "no cell of the notebook holds the leak probe"
+    shown = [output.get("text") or f"{output.get('ename')}: {output.get('evalue')}\n" for output in probe.outputs]
+    return "the probe's cell printed: " + ("".join(shown) or "nothing")
+
+
 def build_attack(lab: str, name: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:
     """The attack's notebook and the files it hands in beside it (relative path -> text)."""
     notebook = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
