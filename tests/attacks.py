@@ -50,7 +50,8 @@ import sys
 
 _own, _leaks = os.getcwd(), []
 _granted = tuple(os.path.realpath(p) + "/" for p in {sys.prefix, sys.base_prefix, "/usr", os.environ["PERFLAB_DATA"]})
-for _root, _dirs, _files in os.walk("/"):
+_walk_errors = []
+for _root, _dirs, _files in os.walk("/", onerror=_walk_errors.append):
     _dirs[:] = [
         d for d in _dirs
         if os.path.join(_root, d) not in ("/proc", "/sys", "/dev")
@@ -68,14 +69,19 @@ for _root, _dirs, _files in os.walk("/"):
                 _leaks.append(f"{_path}: {_error}")
 for _guess in ("../../../gradebook.db", "../../../solutions", "../../../source", "../../../submitted",
                "../../../.perflab-grading", "../../../nbgrader_config.py", "/root", "/home"):
-    _beside = [  # what a folder holds besides the way to the interpreter's folders
-        _entry for _entry in (os.listdir(_guess) if os.path.isdir(_guess) else [])
-        if not any(_path.startswith(os.path.realpath(os.path.join(_guess, _entry)) + "/") for _path in _granted)
-    ]
-    if _beside:
-        _leaks.append(f"{_guess}: {_beside}")
-    elif os.path.isfile(_guess):
-        _leaks.append(f"{_guess}: {open(_guess, 'rb').read(300)!r}")
+    try:
+        _beside = [  # what a folder holds besides the way to the interpreter's folders
+            _entry for _entry in (os.listdir(_guess) if os.path.isdir(_guess) else [])
+            if not any(_path.startswith(os.path.realpath(os.path.join(_guess, _entry)) + "/") for _path in _granted)
+        ]
+        if _beside:
+            _leaks.append(f"{_guess}: {_beside}")
+        elif os.path.isfile(_guess):
+            _leaks.append(f"{_guess}: {open(_guess, 'rb').read(300)!r}")
+    except OSError as _error:  # something there that the probe may not read is something there all the same
+        _leaks.append(f"{_guess}: {_error}")
+# A folder the walk could not list is there all the same: a grant the probe does not know of, or a leak.
+_leaks += [f"{_error.filename}: {_error}" for _error in _walk_errors if _error.filename not in ("/proc", "/sys", "/dev")]
 print("leak probe found:", _leaks)
 """
 # Links in the kernel's folder that nbgrader's later steps (chmod, copying into feedback) would follow.
