@@ -21,8 +21,10 @@ import perflab
 import pytest
 from attacks import ATTACKS, FAILS, MEASURES_NOTHING, NEEDS_SANDBOX, build_attack, leak_probe_outputs
 from nbgrader.api import Gradebook
+from perflab.cpu_quota import usable_cores
 from perflab.grading import DECIDED_OUTSIDE, MEASURED_CELLS
 from perflab.grading.course import LAB_NAMES, REPO, NbgraderCourse
+from perflab.grading.machine_lock import THREAD_CAPS
 from perflab.grading.sandbox import bwrap_works
 from perflab.grading.whole_class import _course_directory, _merge
 from perflab.grading.working_copy import Graded, autograde_fields, read_folder
@@ -240,6 +242,16 @@ def _autograde_all(course: NbgraderCourse, env: dict[str, str], timeout: int) ->
     return seconds
 
 
+def _a_half_s_threads() -> dict[str, str]:
+    """The thread caps of one half's gradings, which run beside the other half's: half the cores (a quota's, where one
+    serves fewer), or this process's caps where they are lower (an xdist worker's share, conftest.py). Uncapped, two
+    kernels training at once each wait on the threads the other's took: run without xdist on a 2-core Xeon, the
+    cells of lab 12's reference kernel took 181, 387 and 315 s that take 38, 19 and 10 s alone. A measurement is not
+    capped: it has the machine alone, on every core (TrustedMeasurement)."""
+    share = max(1, usable_cores() // 2)
+    return {name: str(min(share, int(os.environ.get(name) or share))) for name in THREAD_CAPS}
+
+
 def _merge_gradings(source: NbgraderCourse, course: NbgraderCourse, lab: str) -> None:
     """Every submission of ``lab`` autograded in ``source`` (a copy of ``course``), written into ``course``."""
     coursedir = _course_directory(course.root)
@@ -298,7 +310,9 @@ def graded_course(released_course, tmp_path_factory, request, machine):
     with machine.lent(), ThreadPoolExecutor(max_workers=2) as pool:
         bounds = [_grading_bound(graded_there) for graded_there in split]
         for graded_there in pool.map(
-            lambda half, bound: _autograde_all(half, machine.environment(), bound), halves, bounds
+            lambda half, bound: _autograde_all(half, {**_a_half_s_threads(), **machine.environment()}, bound),
+            halves,
+            bounds,
         ):
             seconds.update(graded_there)
     for half in halves:
