@@ -1,6 +1,6 @@
 # Three commands for a fresh machine:  make lab    (set up, then open the course)
 #                                      make check  (set up, then lint and the fast tests: under 3 minutes)
-#                                      make test   (set up, then run the whole test suite: about 16 minutes)
+#                                      make test   (set up, then run the whole test suite: 22-40 minutes, README)
 #                                      make site   (set up, then build the course's website into build/site/html)
 #                                      make test-compat TORCH=2.11.0  (the compatibility tier on another torch)
 PYTHON ?= python3
