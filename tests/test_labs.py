@@ -309,11 +309,8 @@ def graded_course(released_course, tmp_path_factory, request, machine):
     seconds = {}
     with machine.lent(), ThreadPoolExecutor(max_workers=2) as pool:
         bounds = [_grading_bound(graded_there) for graded_there in split]
-        for graded_there in pool.map(
-            lambda half, bound: _autograde_all(half, {**_a_half_s_threads(), **machine.environment()}, bound),
-            halves,
-            bounds,
-        ):
+        environment = {**_a_half_s_threads(), **machine.environment()}
+        for graded_there in pool.map(lambda half, bound: _autograde_all(half, environment, bound), halves, bounds):
             seconds.update(graded_there)
     for half in halves:
         for lab in sorted({path.name for path in (half.root / "submitted").glob("*/*")}):
