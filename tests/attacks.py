@@ -1054,7 +1054,9 @@ def course_cells(lab: str) -> dict[str, str]:
 
 
 def leak_probe_outputs(notebook_path) -> str:
-    """What the graded notebook's leak probe cell printed or raised, to show when the probe did not report nothing."""
+    """What the graded notebook's leak probe cell printed or raised, its outputs joined: the kernel may send one
+    ``print`` as several stream messages (its output is flushed on an interval, between two writes of one line under
+    load), and each is an output of its own in the notebook, so the probe's line is read here, not in the file."""
     notebook = nbformat.read(notebook_path, as_version=4)
     probe = next((cell for cell in notebook.cells if "leak probe found" in cell.source), None)
     if probe is None:

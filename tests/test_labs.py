@@ -441,8 +441,8 @@ def test_no_answer_reads_the_course_or_leads_out_of_its_folder(graded_course, py
     if "leak" not in _attacks(lab, pytestconfig):
         pytest.skip("--no-attacks: no attack was handed in")
     folders = [course.root / kind / "attack_leak" / lab for kind in ("autograded", "feedback")]
-    notebook = (folders[0] / f"{lab}.ipynb").read_text()
-    assert "leak probe found: []" in notebook, leak_probe_outputs(folders[0] / f"{lab}.ipynb")
+    printed = leak_probe_outputs(folders[0] / f"{lab}.ipynb")
+    assert "leak probe found: []" in printed, printed
     handed_back = {path: path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
     assert any(path.suffix == ".html" for path in handed_back), "no feedback was generated"
     secrets = [b"SQLite format 3", b"/submitted/", *(str(c.root / "gradebook.db").encode() for c in (course, *halves))]
